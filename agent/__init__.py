@@ -1,0 +1,1 @@
+"""In-job agent (placeholder until the agent lands)."""

@@ -1,0 +1,1 @@
+"""Dash frontend (see pages/)."""

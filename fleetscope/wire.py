@@ -1,0 +1,171 @@
+"""The ingest wire format, shared by the agent (which writes it) and the server (which reads it).
+
+Standard library only: the agent imports this inside training jobs.
+
+A batch is one JSON or msgpack object (optionally gzip-compressed) for one run::
+
+    {
+      "v": 1,
+      "run_id": 17,                       # from POST /api/v1/runs (idempotent by name)
+      "rank_steps":  {"rank": [...], "step": [...], "step_s": [...], ...},   # columnar
+      "collectives": {"rank": [...], "step": [...], "seq": [...], "op": [...], ...},
+      "modality_tokens": {"rank": [...], "step": [...], "modality": [...], "tokens": [...]},
+      "ranks":  [{"rank": 0, "host": "n1", "node": "n1", "local_rank": 0, "device": "H100"}],
+      "events": [{"rank": 0, "seq": 3, "kind": "checkpoint", "ts": 1.7e9, "step": 100, "data": {}}]
+    }
+
+Columnar sections are objects of equal-length arrays (a missing optional column means all null;
+``null`` inside an optional column means "not measured"). Instead of columns a batch may carry
+``"records": [{"kind": "rank_step", ...}, {"kind": "collective", ...}, ...]`` (row form, friendlier
+for scripts, slower); both forms may not be mixed in one section.
+
+Keys that make a batch idempotent (a retried or overlapping batch never duplicates a row):
+rank_step (run_id, rank, step); collective (run_id, rank, step, seq);
+modality_tokens (run_id, rank, step, modality); event (run_id, rank, seq); rank (run_id, rank).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "WIRE_VERSION",
+    "Field",
+    "RANK_STEP_FIELDS",
+    "COLLECTIVE_FIELDS",
+    "MODALITY_FIELDS",
+    "SECTIONS",
+    "RECORD_KINDS",
+    "COLLECTIVE_OPS",
+    "BUSBW_FACTOR",
+    "busbw_factor",
+    "encode_batch",
+    "MSGPACK_CONTENT_TYPE",
+]
+
+WIRE_VERSION = 1
+MSGPACK_CONTENT_TYPE = "application/msgpack"
+
+
+@dataclass(frozen=True)
+class Field:
+    """One column of a columnar section."""
+
+    name: str
+    type: str  # "int" | "float" | "str"
+    required: bool = False
+    nonnegative: bool = True
+    doc: str = ""
+
+
+RANK_STEP_FIELDS: tuple[Field, ...] = (
+    Field("rank", "int", True, doc="global rank"),
+    Field("step", "int", True, doc="training step index"),
+    Field("step_s", "float", True, doc="wall time of the step on this rank (metrics.md)"),
+    Field("ts", "float", doc="unix time (s) the step started"),
+    Field("data_s", "float", doc="blocked on the input pipeline"),
+    Field("compute_s", "float", doc="forward + backward + optimizer (+ custom phases)"),
+    Field("forward_s", "float"),
+    Field("backward_s", "float"),
+    Field("optimizer_s", "float"),
+    Field("comm_exposed_s", "float", doc="communication no compute overlaps"),
+    Field("comm_total_s", "float", doc="summed duration of all collectives of the step"),
+    Field("other_s", "float", doc="residual: step - data - compute - exposed comm (never < 0)"),
+    Field("tokens", "int", doc="tokens processed this step (real, not padding)"),
+    Field("padded_tokens", "int", doc="tokens including padding"),
+    Field("samples", "int"),
+    Field("flops", "float", doc="model FLOPs of this step on this rank"),
+    Field("mem_allocated_bytes", "int"),
+    Field("mem_reserved_bytes", "int"),
+    Field("mem_peak_bytes", "int", doc="peak allocated since the previous step"),
+    Field("alloc_retries", "int", doc="caching allocator num_alloc_retries delta"),
+    Field("flags", "int", doc="bit 0: negative residual measured (other_s set to 0)"),
+)
+
+COLLECTIVE_OPS: tuple[str, ...] = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+    "reduce",
+    "barrier",
+    "send",
+    "recv",
+    "gather",
+    "scatter",
+    "other",
+)
+
+COLLECTIVE_FIELDS: tuple[Field, ...] = (
+    Field("rank", "int", True),
+    Field("step", "int", True),
+    Field("seq", "int", True, doc="index of this record within (rank, step): the idempotency key"),
+    Field("op", "str", True, doc="one of COLLECTIVE_OPS"),
+    Field("group_size", "int", True, doc="ranks in the process group (n)"),
+    Field("bytes", "int", True, doc="per-rank message bytes summed over the calls (NCCL-tests)"),
+    Field("calls", "int", True, doc="calls aggregated in this record"),
+    Field("total_s", "float", True, doc="summed duration of the calls"),
+    Field("exposed_s", "float", doc="part of total_s the training thread waited for"),
+    Field("start_ts", "float", doc="unix time the first call was issued (lateness)"),
+)
+
+MODALITY_FIELDS: tuple[Field, ...] = (
+    Field("rank", "int", True),
+    Field("step", "int", True),
+    Field("modality", "str", True),
+    Field("tokens", "int", True),
+)
+
+#: columnar section name -> (record kind in row form, fields)
+SECTIONS: dict[str, tuple[str, tuple[Field, ...]]] = {
+    "rank_steps": ("rank_step", RANK_STEP_FIELDS),
+    "collectives": ("collective", COLLECTIVE_FIELDS),
+    "modality_tokens": ("modality_tokens", MODALITY_FIELDS),
+}
+
+RECORD_KINDS: tuple[str, ...] = ("rank_step", "collective", "modality_tokens", "rank", "event")
+
+#: NCCL-tests bus-bandwidth factors (metrics.md); n = group size.
+BUSBW_FACTOR: dict[str, str] = {
+    "all_reduce": "2(n-1)/n",
+    "all_gather": "(n-1)/n",
+    "reduce_scatter": "(n-1)/n",
+    "all_to_all": "(n-1)/n",
+    "broadcast": "1",
+    "reduce": "1",
+    "send": "1",
+    "recv": "1",
+}
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """Bus-bandwidth factor of NCCL-tests for ``op`` over ``n`` ranks (1 where undefined)."""
+    if n <= 1:
+        return 1.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+def encode_batch(batch: dict[str, Any], *, fmt: str = "msgpack", compress: bool = True) -> tuple[bytes, dict[str, str]]:
+    """Encode a batch for ``POST /api/v1/ingest``; returns the body and its headers."""
+    if fmt == "msgpack":
+        import msgpack
+
+        body = msgpack.packb(batch, use_bin_type=True)
+        headers = {"Content-Type": MSGPACK_CONTENT_TYPE}
+    elif fmt == "json":
+        body = json.dumps(batch, separators=(",", ":"), allow_nan=False).encode()
+        headers = {"Content-Type": "application/json"}
+    else:
+        raise ValueError(f"unknown wire format {fmt!r}: expected 'msgpack' or 'json'")
+    if compress:
+        body = gzip.compress(body, compresslevel=1)
+        headers["Content-Encoding"] = "gzip"
+    return body, headers

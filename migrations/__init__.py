@@ -1,0 +1,1 @@
+"""Alembic migrations of the fleetscope schema (applied by `fleetscope db upgrade` / `serve`)."""

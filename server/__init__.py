@@ -1,0 +1,1 @@
+"""FastAPI ingest/query service and the Postgres store."""

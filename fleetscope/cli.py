@@ -1,2 +1,149 @@
+"""The `fleetscope` command line (contract.md)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="fleetscope: performance observability for training fleets")
+db_app = typer.Typer(no_args_is_help=True, help="Database administration")
+token_app = typer.Typer(no_args_is_help=True, help="API tokens")
+app.add_typer(db_app, name="db")
+app.add_typer(token_app, name="token")
+
+DatabaseUrl = Annotated[
+    Optional[str], typer.Option("--database-url", envvar="FLEETSCOPE_DATABASE_URL", help="Postgres URL (else embedded)")
+]
+DataDir = Annotated[
+    Optional[Path], typer.Option("--data-dir", envvar="FLEETSCOPE_DATA_DIR", help="data dir of the embedded Postgres")
+]
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("pgserver", "alembic.runtime.plugins"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _settings(**overrides: object):  # type: ignore[no-untyped-def]
+    from fleetscope.settings import Settings
+
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    database_url: DatabaseUrl = None,
+    data_dir: DataDir = None,
+    no_migrate: Annotated[bool, typer.Option("--no-migrate", help="do not apply migrations on start")] = False,
+    insecure_no_auth: Annotated[
+        bool, typer.Option("--insecure-no-auth", help="accept ingest without a token (DANGEROUS)")
+    ] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run the API, the dashboard and /metrics in one process (embedded Postgres without a URL)."""
+    _setup_logging(verbose)
+    settings = _settings(
+        host=host, port=port, database_url=database_url, data_dir=data_dir, migrate=not no_migrate,
+        insecure_no_auth=insecure_no_auth or None,
+    )
+    if settings.insecure_no_auth:
+        typer.secho("WARNING: authentication is DISABLED (--insecure-no-auth)", fg="red", bold=True, err=True)
+    from fleetscope.server.serve import run_server
+
+    run_server(settings)
+
+
+@app.command()
+def demo(
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    data_dir: DataDir = None,
+    no_job: Annotated[bool, typer.Option("--no-job", help="skip the live 4-rank CPU training job")] = False,
+    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
+    small: Annotated[bool, typer.Option("--small", help="a smaller history (tests, slow machines)")] = False,
+    exit_when_loaded: Annotated[bool, typer.Option("--exit-when-loaded", hidden=True)] = False,
+) -> None:
+    """Serve plus a synthetic fleet history (and a live CPU job): every page has data."""
+    _setup_logging()
+    settings = _settings(host=host, port=port, data_dir=data_dir)
+    from fleetscope.demo import run_demo
+
+    run_demo(settings, with_job=not no_job, small=small, exit_when_loaded=exit_when_loaded)
+
+
+@db_app.command("upgrade")
+def db_upgrade(database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
+    """Apply the schema migrations."""
+    _setup_logging()
+    from fleetscope.server.db import resolve_database_url, upgrade
+
+    settings = _settings(database_url=database_url, data_dir=data_dir)
+    url, pg = resolve_database_url(settings.database_url, settings.data_dir)
+    try:
+        upgrade(url)
+        typer.echo("database schema is up to date")
+    finally:
+        if pg:
+            pg.stop()
+
+
+@token_app.command("create")
+def token_create(
+    name: Annotated[str, typer.Option("--name", help="what the token is for")],
+    database_url: DatabaseUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Create an API token; prints it as the last line (only its hash is stored)."""
+    from fleetscope.server.auth import create_token
+    from fleetscope.server.db import make_engine, resolve_database_url, upgrade
+
+    settings = _settings(database_url=database_url, data_dir=data_dir)
+    url, pg = resolve_database_url(settings.database_url, settings.data_dir)
+    try:
+        upgrade(url)
+        engine = make_engine(url, pool_size=1)
+        try:
+            token = create_token(engine, name)
+        finally:
+            engine.dispose()
+    finally:
+        if pg:
+            pg.stop()
+    typer.echo(f"created token {name!r} (store it now: it is not shown again)", err=True)
+    typer.echo(token)
+
+
+@app.command()
+def upload(
+    spool_dir: Annotated[Path, typer.Argument(help="spool directory written by the agent")],
+    server: Annotated[str, typer.Option("--server", envvar="FLEETSCOPE_SERVER")],
+    token: Annotated[Optional[str], typer.Option("--token", envvar="FLEETSCOPE_TOKEN")] = None,
+) -> None:
+    """Send spooled (offline) agent data to a server."""
+    _setup_logging()
+    from fleetscope.upload import upload as do_upload
+
+    res = do_upload(str(spool_dir), server, token)
+    typer.echo(res)
+    if res.get("failed"):
+        raise typer.Exit(1)
+
+
 def main() -> None:
-    print("fleetscope")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    app()
+
+
+if __name__ == "__main__":
+    main()

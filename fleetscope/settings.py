@@ -1,0 +1,48 @@
+"""Server settings: one pydantic-settings class, built by a cached function, injected (never at import)."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings", "get_settings", "default_data_dir"]
+
+
+def default_data_dir() -> Path:
+    """The user's data dir for fleetscope (XDG on Linux), overridable by FLEETSCOPE_DATA_DIR."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "fleetscope"
+
+
+class Settings(BaseSettings):
+    """Settings of `fleetscope serve`; every field reads FLEETSCOPE_<NAME>."""
+
+    model_config = SettingsConfigDict(env_prefix="FLEETSCOPE_", extra="ignore")
+
+    database_url: str | None = Field(default=None, description="Postgres URL; embedded Postgres if unset")
+    data_dir: Path = Field(default_factory=default_data_dir, description="embedded Postgres + state")
+    host: str = "127.0.0.1"
+    port: int = 8000
+    insecure_no_auth: bool = Field(default=False, description="accept ingest without a token (loud)")
+    migrate: bool = True
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, description="ingest body limit, as sent (413)")
+    max_decoded_bytes: int = Field(default=256 * 1024 * 1024, description="ingest body limit decompressed")
+    max_batch_records: int = Field(default=1_000_000, description="records in one batch (413)")
+    ingest_concurrency: int = Field(default=4, description="batches written to Postgres at once")
+    ingest_queue: int = Field(default=32, description="batches waiting for a writer before 503")
+    backlog_max_rows: int = Field(default=5_000_000, description="uncompacted rows before 429")
+    compact_interval_s: float = Field(default=1.0, description="how often raw rows are compacted")
+    compact_grace_s: float = Field(default=10.0, description="wait this long for a step's missing ranks")
+    pool_size: int = 8
+    public_url: str | None = Field(default=None, description="dashboard base URL used in deep links")
+    slack_webhook_url: str | None = Field(default=None, repr=False)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process's settings from the environment."""
+    return Settings()

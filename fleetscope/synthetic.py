@@ -1,0 +1,191 @@
+"""Synthetic but realistic training runs: per-rank step decompositions as a synchronous job makes them.
+
+Used by `fleetscope demo` (a fleet history) and `fleetscope simulate` (one run through the agent's
+transport). Deterministic per seed. The model: every rank computes for ``compute_s`` (FLOPs / peak /
+MFU), loads data, has host overhead; collectives of the step take ``comm_total_s`` of which a
+share is overlapped with backward — and since training is synchronous, every rank also waits in
+the collectives for the slowest rank's extra work (a straggler shows up as everyone else's exposed
+comm, metrics.md "Stragglers"). Communication's share grows with the world size.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .wire import RANK_STEP_FIELDS
+
+__all__ = ["Family", "FAMILIES", "RunSpec", "rank_step_rows", "collective_rows", "PEAK_FLOPS"]
+
+#: dense bf16 peak FLOP/s per device (metrics.md; vendor datasheets)
+PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2.25e15, "MI300X": 1307e12}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    params: float  # non-embedding parameters
+    tokens_per_rank_step: int
+    base_mfu: float  # compute-only efficiency at small scale
+    comm_bytes_factor: float = 2.0  # bytes of gradient per param (bf16)
+    modalities: tuple[str, ...] = ("text",)
+
+
+FAMILIES: dict[str, Family] = {
+    "vla-7b": Family("vla-7b", 7e9, 16384, 0.48, modalities=("vision", "text", "action")),
+    "llm-70b": Family("llm-70b", 70e9, 8192, 0.42, modalities=("text",)),
+    "vit-h": Family("vit-h", 0.63e9, 65536, 0.38, modalities=("vision",)),
+    "video-dit-3b": Family("video-dit-3b", 3e9, 32768, 0.44, modalities=("video", "text")),
+}
+
+
+@dataclass
+class RunSpec:
+    """One synthetic run."""
+
+    name: str
+    family: str
+    world_size: int
+    steps: int
+    seed: int = 0
+    gpu: str = "H100"
+    step_ms: float | None = None  # force the median step time (ms); else from the model
+    straggler: dict[int, float] = field(default_factory=dict)  # rank -> compute slowdown factor
+    slow_factor: float = 1.0  # whole-run slowdown (a regression)
+    comm_bound: bool = False  # small buckets / no overlap: exposed comm dominates
+    gpus_per_node: int = 8
+    start_ts: float = 1.7e9
+
+    def host_of(self, rank: int) -> str:
+        return f"node{rank // self.gpus_per_node:04d}"
+
+    @property
+    def fam(self) -> Family:
+        return FAMILIES.get(self.family) or Family(self.family, 1e9, 8192, 0.4)
+
+    @property
+    def peak_flops(self) -> float:
+        return PEAK_FLOPS.get(self.gpu, 989e12)
+
+    def flops_per_rank_step(self) -> float:
+        return 6.0 * self.fam.params * self.fam.tokens_per_rank_step
+
+    def run_info(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "model_family": self.family,
+            "config": {"global_batch_tokens": self.fam.tokens_per_rank_step * self.world_size,
+                       "bucket_mb": 5 if self.comm_bound else 25, "overlap": not self.comm_bound},
+            "world_size": self.world_size,
+            "device_type": self.gpu,
+            "device_count": self.world_size,
+            "peak_flops": self.peak_flops,
+            "meta": {"flops_source": "estimated", "synthetic": True, "seed": self.seed},
+        }
+
+
+def _base(spec: RunSpec) -> dict[str, float]:
+    fam = spec.fam
+    compute = spec.flops_per_rank_step() / (spec.peak_flops * fam.base_mfu)
+    n = spec.world_size
+    # ring all-reduce of the gradients: 2(n-1)/n * bytes / busbw; inter-node bandwidth is lower
+    busbw = 350e9 if n <= spec.gpus_per_node else 45e9
+    comm_total = 2 * (n - 1) / max(n, 1) * fam.params * fam.comm_bytes_factor / busbw / 8  # sharded over 8 buckets
+    comm_total *= 1 + 0.12 * math.log2(max(n / spec.gpus_per_node, 1))  # latency terms grow with scale
+    overlap = 0.15 if spec.comm_bound else max(0.35, 0.92 - 0.06 * math.log2(max(n / spec.gpus_per_node, 1)))
+    data = 0.02 * compute
+    other = 0.03 * compute
+    scale = 1.0
+    if spec.step_ms:
+        total = compute + data + other + comm_total * (1 - overlap)
+        scale = spec.step_ms / 1e3 / total
+    return {
+        "compute": compute * scale * spec.slow_factor,
+        "comm_total": comm_total * scale,
+        "overlap": overlap,
+        "data": data * scale,
+        "other": other * scale,
+    }
+
+
+def rank_step_rows(spec: RunSpec, step_lo: int = 0, step_hi: int | None = None) -> Iterator[tuple[int, list[tuple]]]:
+    """Yield (step, rows) with one tuple per rank in wire.RANK_STEP_FIELDS order."""
+    b = _base(spec)
+    fam = spec.fam
+    names = [f.name for f in RANK_STEP_FIELDS]
+    hi = spec.steps if step_hi is None else min(step_hi, spec.steps)
+    ts = spec.start_ts
+    flops = spec.flops_per_rank_step()
+    for step in range(step_lo, hi):
+        rng = random.Random(f"{spec.seed}:{spec.name}:{step}")
+        step_jitter = rng.lognormvariate(0, 0.03)
+        work = []
+        parts = []
+        for r in range(spec.world_size):
+            f = spec.straggler.get(r, 1.0)
+            compute = b["compute"] * step_jitter * rng.lognormvariate(0, 0.01) * f
+            data = b["data"] * rng.lognormvariate(0, 0.3)
+            other = b["other"] * rng.lognormvariate(0, 0.1)
+            parts.append((data, compute, other))
+            work.append(data + compute + other)
+        slowest = max(work)
+        comm_total = b["comm_total"] * step_jitter
+        own_exposed = comm_total * (1 - b["overlap"])
+        rows = []
+        for r in range(spec.world_size):
+            data, compute, other = parts[r]
+            wait = slowest - work[r]  # waiting for the slowest rank inside the collectives
+            exposed = own_exposed + wait
+            step_s = data + compute + other + exposed
+            padded = fam.tokens_per_rank_step
+            tokens = int(padded * (0.86 + 0.1 * rng.random()))
+            rec = {
+                "rank": r,
+                "step": step,
+                "step_s": step_s,
+                "ts": ts,
+                "data_s": data,
+                "compute_s": compute,
+                "forward_s": compute / 3,
+                "backward_s": compute * 0.6,
+                "optimizer_s": compute - compute / 3 - compute * 0.6,
+                "comm_exposed_s": exposed,
+                "comm_total_s": comm_total + wait,
+                "other_s": other,
+                "tokens": tokens,
+                "padded_tokens": padded,
+                "samples": max(1, padded // 2048),
+                "flops": flops * tokens / padded,
+                "mem_allocated_bytes": int(60e9 + 1e9 * rng.random()) // 512 * 512,
+                "mem_reserved_bytes": int(72e9) // 512 * 512,
+                "mem_peak_bytes": int(66e9 + 2e9 * rng.random()) // 512 * 512,
+                "alloc_retries": 0,
+                "flags": 0,
+            }
+            rows.append(tuple(rec[n] for n in names))
+        ts += max(work) + own_exposed
+        yield step, rows
+
+
+def collective_rows(spec: RunSpec, step: int, rank_rows: list[tuple]) -> list[tuple]:
+    """Collective records (wire.COLLECTIVE_FIELDS order) consistent with the step rows."""
+    b = _base(spec)
+    n = spec.world_size
+    grad_bytes = int(spec.fam.params * spec.fam.comm_bytes_factor / 8)
+    i_total = [f.name for f in RANK_STEP_FIELDS].index("comm_total_s")
+    i_exp = [f.name for f in RANK_STEP_FIELDS].index("comm_exposed_s")
+    i_ts = [f.name for f in RANK_STEP_FIELDS].index("ts")
+    out = []
+    for row in rank_rows:
+        r = row[0]
+        total, exposed = row[i_total], row[i_exp]
+        # four records per rank-step: bucketed gradient all-reduce (two size buckets), an all-gather, a barrier
+        split = [(0, "all_reduce", grad_bytes * 6, 6, 0.7), (1, "all_reduce", grad_bytes * 2 // 4, 2, 0.2),
+                 (2, "all_gather", 4 << 20, 1, 0.08), (3, "barrier", 0, 1, 0.02)]  # fmt: skip
+        for seq, op, nbytes, calls, share in split:
+            out.append((r, step, seq, op, n, int(nbytes), calls, total * share, exposed * share, row[i_ts]))
+    del b
+    return out

@@ -1,0 +1,167 @@
+"""Binary encodings of the store: PostgreSQL binary COPY built/parsed with numpy, compressed blocks.
+
+Binary COPY rows of fixed-width, non-null columns have a constant size, so a whole batch becomes
+one numpy structured array (big-endian) — no per-row Python — in both directions.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = [
+    "CopyLayout",
+    "RAW_STEP_LAYOUT",
+    "RAW_COLL_LAYOUT",
+    "encode_block",
+    "decode_block",
+    "STEP_BLOCK_FIELDS",
+    "COLL_BLOCK_FIELDS",
+]
+
+_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)
+_TRAILER = struct.pack(">h", -1)
+_PG_TYPE = {"i2": ">i2", "i4": ">i4", "i8": ">i8", "f8": ">f8"}
+
+
+class CopyLayout:
+    """Fixed-width binary COPY row layout for ``columns`` of Postgres types (i2/i4/i8/f8)."""
+
+    def __init__(self, table: str, columns: Sequence[tuple[str, str]]) -> None:
+        self.table = table
+        self.columns = tuple(columns)
+        fields: list[tuple[str, str]] = [("_n", ">i2")]
+        for name, t in self.columns:
+            fields.append((f"_l_{name}", ">i4"))
+            fields.append((name, _PG_TYPE[t]))
+        self.dtype = np.dtype(fields)
+        self.names = [c for c, _ in self.columns]
+        self._lengths = {name: np.dtype(_PG_TYPE[t]).itemsize for name, t in self.columns}
+
+    @property
+    def copy_in_sql(self) -> str:
+        return f"COPY {self.table} ({', '.join(self.names)}) FROM STDIN (FORMAT BINARY)"
+
+    def build(self, n: int, values: dict[str, np.ndarray | int | float]) -> bytes:
+        """The COPY payload for ``n`` rows; ``values`` maps every column to an array or a scalar."""
+        arr = np.empty(n, dtype=self.dtype)
+        arr["_n"] = len(self.columns)
+        for name in self.names:
+            arr[f"_l_{name}"] = self._lengths[name]
+            arr[name] = values[name]
+        return _HEADER + arr.tobytes() + _TRAILER
+
+    def parse(self, payload: bytes) -> np.ndarray:
+        """Rows of a ``COPY (...) TO STDOUT (FORMAT BINARY)`` payload with exactly these columns."""
+        if not payload:
+            return np.empty(0, dtype=self.dtype)
+        if payload[:11] != _HEADER[:11]:
+            raise ValueError("not a binary COPY payload")
+        ext = struct.unpack(">i", payload[15:19])[0]
+        start = 19 + ext
+        body = payload[start:-2]
+        n, rem = divmod(len(body), self.dtype.itemsize)
+        if rem:
+            raise ValueError(f"binary COPY payload of {len(body)} bytes is not a multiple of {self.dtype.itemsize}")
+        return np.frombuffer(body, dtype=self.dtype, count=n)
+
+
+RAW_STEP_FLOATS = (
+    "ts",
+    "step_s",
+    "data_s",
+    "compute_s",
+    "forward_s",
+    "backward_s",
+    "optimizer_s",
+    "comm_exposed_s",
+    "comm_total_s",
+    "other_s",
+    "tokens",
+    "padded_tokens",
+    "samples",
+    "flops",
+    "mem_allocated_bytes",
+    "mem_reserved_bytes",
+    "mem_peak_bytes",
+    "alloc_retries",
+)
+
+RAW_STEP_LAYOUT = CopyLayout(
+    "rank_steps_raw",
+    [("run_id", "i4"), ("step", "i4"), ("rank", "i4"), ("flags", "i4")] + [(f, "f8") for f in RAW_STEP_FLOATS],
+)
+
+RAW_COLL_LAYOUT = CopyLayout(
+    "collectives_raw",
+    [
+        ("run_id", "i4"),
+        ("step", "i4"),
+        ("rank", "i4"),
+        ("seq", "i4"),
+        ("op", "i2"),
+        ("group_size", "i4"),
+        ("bytes", "i8"),
+        ("calls", "i4"),
+        ("total_s", "f8"),
+        ("exposed_s", "f8"),
+        ("start_ts", "f8"),
+    ],
+)
+
+# Block storage types: durations and counts as float32 (7 significant digits: 0.1 µs at 1 s),
+# memory and absolute times as float64 (exact bytes; ts as offset from the step's first ts).
+STEP_BLOCK_FIELDS: tuple[tuple[str, str], ...] = (
+    ("rank", "<i4"),
+    ("flags", "<i4"),
+    ("ts", "<f8"),
+    *((f, "<f4") for f in RAW_STEP_FLOATS[1:14]),
+    ("mem_allocated_bytes", "<f8"),
+    ("mem_reserved_bytes", "<f8"),
+    ("mem_peak_bytes", "<f8"),
+    ("alloc_retries", "<f4"),
+)
+
+COLL_BLOCK_FIELDS: tuple[tuple[str, str], ...] = (
+    ("rank", "<i4"),
+    ("seq", "<i4"),
+    ("op", "<i2"),
+    ("group_size", "<i4"),
+    ("bytes", "<f8"),
+    ("calls", "<i4"),
+    ("total_s", "<f4"),
+    ("exposed_s", "<f4"),
+    ("start_ts", "<f8"),
+)
+
+_BLOCK_VERSION = 1
+
+
+def encode_block(fields: Sequence[tuple[str, str]], cols: dict[str, np.ndarray]) -> bytes:
+    """Columnar block: version, row count, then zlib(byte-shuffled columns) — ~45 B per rank-step."""
+    n = len(cols[fields[0][0]])
+    parts = []
+    for name, dt in fields:
+        a = np.ascontiguousarray(cols[name], dtype=dt)
+        parts.append(a.view(np.uint8).reshape(n, a.itemsize).T.tobytes())
+    return struct.pack("<BI", _BLOCK_VERSION, n) + zlib.compress(b"".join(parts), 1)
+
+
+def decode_block(fields: Sequence[tuple[str, str]], blob: bytes) -> dict[str, np.ndarray]:
+    """Inverse of :func:`encode_block`; floats come back as float64."""
+    version, n = struct.unpack_from("<BI", blob)
+    if version != _BLOCK_VERSION:
+        raise ValueError(f"unknown block version {version}")
+    raw = zlib.decompress(blob[5:])
+    out: dict[str, np.ndarray] = {}
+    off = 0
+    for name, dt in fields:
+        size = np.dtype(dt).itemsize
+        chunk = np.frombuffer(raw, dtype=np.uint8, count=n * size, offset=off)
+        a = chunk.reshape(size, n).T.copy().view(dt).reshape(n)
+        out[name] = a.astype(np.float64) if a.dtype.kind == "f" else a.astype(np.int64)
+        off += n * size
+    return out

@@ -1,0 +1,435 @@
+"""The compactor: folds landed raw rows into one ``steps`` row per (run, step) with rollups.
+
+A step is ready when all ``world_size`` ranks have reported, when its newest row is older than the
+grace period, when its run is no longer running, or when a block for it already exists (a late or
+retried record is merged). One transaction: the raw rows are deleted (``COPY (DELETE … RETURNING)``,
+parsed by numpy), deduplicated against each other and the existing block, encoded, and the step,
+per-run collective and counter rollups are upserted — a crash leaves the raw rows in place.
+Rollups are vectorised over all steps of a pass (sort-based grouped medians), so the cost per
+rank-step stays ~µs whatever the world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Engine
+
+from .codec import (
+    COLL_BLOCK_FIELDS,
+    RAW_COLL_LAYOUT,
+    RAW_STEP_LAYOUT,
+    STEP_BLOCK_FIELDS,
+    decode_block,
+    encode_block,
+)
+from .db import raw_connection
+
+__all__ = ["Compactor", "CompactionResult", "grouped_median", "bits_of"]
+
+log = logging.getLogger(__name__)
+_LOCK_KEY = 727275
+
+_READY_SQL = """
+CREATE TEMP TABLE _ready ON COMMIT DROP AS
+SELECT g.run_id, g.step FROM (
+    SELECT run_id, step, count(DISTINCT rank) AS n, max(received_at) AS last FROM rank_steps_raw GROUP BY run_id, step
+) g JOIN runs ON runs.id = g.run_id
+WHERE %(force)s OR g.n >= runs.world_size OR g.last < now() - make_interval(secs => %(grace)s)
+   OR runs.status <> 'running'
+   OR EXISTS (SELECT 1 FROM steps s WHERE s.run_id = g.run_id AND s.step = g.step)
+UNION
+SELECT g.run_id, g.step FROM (
+    SELECT run_id, step, max(received_at) AS last FROM collectives_raw GROUP BY run_id, step
+) g JOIN runs ON runs.id = g.run_id
+WHERE %(force)s OR g.last < now() - make_interval(secs => %(grace)s) OR runs.status <> 'running'
+   OR EXISTS (SELECT 1 FROM steps s WHERE s.run_id = g.run_id AND s.step = g.step)
+UNION
+SELECT g.run_id, g.step FROM (
+    SELECT run_id, step, max(received_at) AS last FROM modality_raw GROUP BY run_id, step
+) g JOIN runs ON runs.id = g.run_id
+WHERE %(force)s OR g.last < now() - make_interval(secs => %(grace)s) OR runs.status <> 'running'
+   OR EXISTS (SELECT 1 FROM steps s WHERE s.run_id = g.run_id AND s.step = g.step)
+"""
+
+_STEP_COLS = (
+    "run_id, step, n_ranks, ts, step_s, data_s, compute_s, comm_exposed_s, other_s, comm_total_s, forward_s, "
+    "backward_s, optimizer_s, step_s_max, work_s, work_s_max, slowest_rank, tokens, padded_tokens, samples, "
+    "flops, mem_peak_bytes, mem_reserved_bytes, alloc_retries, neg_residual, coll_records, ranks, block, coll_block"
+)
+_MEDIAN_COLS = (
+    "step_s",
+    "data_s",
+    "compute_s",
+    "comm_exposed_s",
+    "other_s",
+    "comm_total_s",
+    "forward_s",
+    "backward_s",
+    "optimizer_s",
+)
+_SUM_COLS = ("tokens", "padded_tokens", "samples", "flops", "alloc_retries")
+_MAX_COLS = ("mem_peak_bytes", "mem_reserved_bytes")
+
+
+@dataclass
+class CompactionResult:
+    steps: int = 0
+    rank_steps: int = 0
+    collectives: int = 0
+    duplicates: int = 0
+    backlog_rows: int = 0
+    seconds: float = 0.0
+    runs: set[int] = field(default_factory=set)
+
+
+def bits_of(ranks: np.ndarray) -> str:
+    """Bit string with bit r set for each rank r (Postgres ``bit varying`` text)."""
+    bits = np.zeros(int(ranks.max()) + 1 if len(ranks) else 0, dtype=np.uint8)
+    bits[ranks] = 1
+    return (bits + 48).tobytes().decode()
+
+
+def ranks_of(bits: str) -> np.ndarray:
+    return np.flatnonzero(np.frombuffer(bits.encode(), dtype=np.uint8) == 49)
+
+
+def _group_starts(keys: np.ndarray) -> np.ndarray:
+    """Start index of each run of equal values in a sorted key array."""
+    if len(keys) == 0:
+        return np.empty(0, dtype=np.int64)
+    return np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+
+
+def grouped_median(values: np.ndarray, gid: np.ndarray, n_groups: int) -> np.ndarray:
+    """Median of ``values`` per group id (0..n_groups-1), ignoring NaN; NaN where a group has none."""
+    order = np.lexsort((values, gid))  # NaN sorts last within each group
+    v = values[order]
+    counts = np.bincount(gid, minlength=n_groups)
+    starts = np.r_[0, np.cumsum(counts)[:-1]]
+    valid = np.bincount(gid, weights=~np.isnan(values), minlength=n_groups).astype(np.int64)
+    lo = starts + np.maximum(valid - 1, 0) // 2
+    hi = np.where(valid > 0, starts + valid // 2, lo)
+    out = np.where(valid > 0, (v[np.minimum(lo, len(v) - 1)] + v[np.minimum(hi, len(v) - 1)]) / 2, np.nan)
+    return out
+
+
+def _grouped_sum(values: np.ndarray, gid: np.ndarray, n: int) -> np.ndarray:
+    ok = ~np.isnan(values)
+    s = np.bincount(gid, weights=np.where(ok, values, 0.0), minlength=n)
+    return np.where(np.bincount(gid, weights=ok, minlength=n) > 0, s, np.nan)
+
+
+def _grouped_max(values: np.ndarray, gid: np.ndarray, n: int) -> np.ndarray:
+    out = np.full(n, -np.inf)
+    ok = ~np.isnan(values)
+    np.maximum.at(out, gid[ok], values[ok])
+    return np.where(np.isinf(out), np.nan, out)
+
+
+class Compactor:
+    """Runs compaction passes, on a background thread or on demand (``run_once``)."""
+
+    def __init__(self, engine: Engine, *, grace_s: float = 10.0, on_pass: Any = None) -> None:
+        self.engine = engine
+        self.grace_s = grace_s
+        self.on_pass = on_pass
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.errors = 0
+
+    def start(self, interval_s: float) -> None:
+        self._thread = threading.Thread(target=self._loop, args=(interval_s,), name="fleetscope-compactor", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                while True:
+                    res = self.run_once()
+                    if self.on_pass is not None:
+                        self.on_pass(res)
+                    if res.rank_steps + res.collectives < 200_000 or self._stop.is_set():
+                        break
+            except Exception:  # noqa: BLE001 - keep compacting; the raw rows stay until a pass succeeds
+                self.errors += 1
+                log.exception("compaction pass failed (raw rows kept; will retry)")
+
+    def run_once(self, *, force: bool = False) -> CompactionResult:
+        """One compaction pass; ``force`` compacts every landed step now (tests, shutdown)."""
+        with self._lock:
+            t0 = time.perf_counter()
+            res = self._pass(force)
+            res.seconds = time.perf_counter() - t0
+            return res
+
+    def _pass(self, force: bool) -> CompactionResult:
+        res = CompactionResult()
+        with raw_connection(self.engine) as conn, conn.cursor() as cur:
+            got = cur.execute("SELECT pg_try_advisory_xact_lock(%s)", (_LOCK_KEY,)).fetchone()
+            if not got or not got[0]:
+                return res
+            cur.execute(_READY_SQL, {"force": force, "grace": float(self.grace_s)})
+            if cur.execute("SELECT count(*) FROM _ready").fetchone()[0] == 0:  # type: ignore[index]
+                res.backlog_rows = self._backlog(cur)
+                return res
+            steps_raw = self._take(cur, RAW_STEP_LAYOUT, "rank_steps_raw")
+            colls_raw = self._take(cur, RAW_COLL_LAYOUT, "collectives_raw")
+            mods = cur.execute(
+                "DELETE FROM modality_raw t USING _ready r WHERE t.run_id = r.run_id AND t.step = r.step "
+                "RETURNING t.run_id, t.step, t.rank, t.modality, t.tokens"
+            ).fetchall()
+            existing = cur.execute(
+                "SELECT s.run_id, s.step, s.block, s.coll_block FROM steps s JOIN _ready r "
+                "ON s.run_id = r.run_id AND s.step = r.step"
+            ).fetchall()
+            self._fold(cur, steps_raw, colls_raw, existing, res)
+            if mods:
+                self._fold_modalities(cur, mods)
+            res.backlog_rows = self._backlog(cur)
+        return res
+
+    @staticmethod
+    def _backlog(cur: Any) -> int:
+        row = cur.execute("SELECT count(*) FROM (SELECT 1 FROM rank_steps_raw LIMIT 10000000) t").fetchone()
+        return int(row[0])
+
+    @staticmethod
+    def _take(cur: Any, layout: Any, table: str) -> np.ndarray:
+        cols = ", ".join(f"t.{c}" for c in layout.names)
+        sql = (
+            f"COPY (DELETE FROM {table} t USING _ready r WHERE t.run_id = r.run_id AND t.step = r.step "
+            f"RETURNING {cols}) TO STDOUT (FORMAT BINARY)"
+        )
+        buf = bytearray()
+        with cur.copy(sql) as cp:
+            for chunk in cp:
+                buf += chunk
+        return layout.parse(bytes(buf))
+
+    def _fold(self, cur: Any, raw: np.ndarray, craw: np.ndarray, existing: list, res: CompactionResult) -> None:
+        # --- rank-step rows: existing blocks first (they win over re-sent copies), then the new rows
+        names = [n for n, _ in STEP_BLOCK_FIELDS]
+        cols: dict[str, list[np.ndarray]] = {n: [] for n in ("run_id", "step", "is_old", *names)}
+        ccols: dict[str, list[np.ndarray]] = {n: [] for n in ("run_id", "step", "is_old", *(n for n, _ in COLL_BLOCK_FIELDS))}
+        for run_id, step, block, coll_block in existing:
+            d = decode_block(STEP_BLOCK_FIELDS, block)
+            k = len(d["rank"])
+            cols["run_id"].append(np.full(k, run_id))
+            cols["step"].append(np.full(k, step))
+            cols["is_old"].append(np.ones(k, dtype=bool))
+            for n in names:
+                cols[n].append(d[n])
+            if coll_block is not None:
+                c = decode_block(COLL_BLOCK_FIELDS, coll_block)
+                k = len(c["rank"])
+                ccols["run_id"].append(np.full(k, run_id))
+                ccols["step"].append(np.full(k, step))
+                ccols["is_old"].append(np.ones(k, dtype=bool))
+                for n, _ in COLL_BLOCK_FIELDS:
+                    ccols[n].append(c[n])
+        k = len(raw)
+        cols["run_id"].append(raw["run_id"].astype(np.int64))
+        cols["step"].append(raw["step"].astype(np.int64))
+        cols["is_old"].append(np.zeros(k, dtype=bool))
+        for n in names:
+            cols[n].append(raw[n].astype(np.int64 if n in ("rank", "flags") else np.float64))
+        k = len(craw)
+        ccols["run_id"].append(craw["run_id"].astype(np.int64))
+        ccols["step"].append(craw["step"].astype(np.int64))
+        ccols["is_old"].append(np.zeros(k, dtype=bool))
+        for n, _ in COLL_BLOCK_FIELDS:
+            ccols[n].append(craw[n].astype(np.float64 if n in ("bytes", "total_s", "exposed_s", "start_ts") else np.int64))
+        S = {n: np.concatenate(v) for n, v in cols.items()}
+        C = {n: np.concatenate(v) for n, v in ccols.items()}
+
+        S, dup_s = _dedup(S, ("run_id", "step", "rank"))
+        C, dup_c = _dedup(C, ("run_id", "step", "rank", "seq"))
+        res.duplicates = dup_s + dup_c
+        res.rank_steps = int((~S["is_old"]).sum())
+        res.collectives = int((~C["is_old"]).sum())
+
+        # groups = (run_id, step) present in either table, sorted
+        keys_s = S["run_id"] * (1 << 32) + S["step"]
+        keys_c = C["run_id"] * (1 << 32) + C["step"]
+        gkeys = np.union1d(keys_s, keys_c)
+        n_groups = len(gkeys)
+        gid = np.searchsorted(gkeys, keys_s)
+        cgid = np.searchsorted(gkeys, keys_c)
+        old_keys = {run_id * (1 << 32) + step for run_id, step, _, _ in existing}
+
+        # rollups (vectorised over all groups)
+        work = S["step_s"] - np.nan_to_num(S["comm_exposed_s"])
+        roll: dict[str, np.ndarray] = {c: grouped_median(S[c], gid, n_groups) for c in _MEDIAN_COLS}
+        roll["work_s"] = grouped_median(work, gid, n_groups)
+        roll["step_s_max"] = _grouped_max(S["step_s"], gid, n_groups)
+        roll["work_s_max"] = _grouped_max(work, gid, n_groups)
+        for c in _SUM_COLS:
+            roll[c] = _grouped_sum(S[c], gid, n_groups)
+        for c in _MAX_COLS:
+            roll[c] = _grouped_max(S[c], gid, n_groups)
+        ts_ok = ~np.isnan(S["ts"])
+        ts_min = np.full(n_groups, np.inf)
+        np.minimum.at(ts_min, gid[ts_ok], S["ts"][ts_ok])
+        roll["ts"] = np.where(np.isinf(ts_min), np.nan, ts_min)
+        order = np.lexsort((np.nan_to_num(work, nan=-np.inf), gid))
+        last = np.r_[np.flatnonzero(np.diff(gid[order])), len(order) - 1] if len(order) else np.empty(0, dtype=np.int64)
+        slow = np.full(n_groups, -1, dtype=np.int64)
+        slow[gid[order][last]] = S["rank"][order][last]
+        n_ranks = np.bincount(gid, minlength=n_groups)
+        neg = np.bincount(gid, weights=(S["flags"] & 1) > 0, minlength=n_groups).astype(np.int64)
+        n_coll = np.bincount(cgid, minlength=n_groups)
+
+        # per-group blocks (rows sorted by group then rank)
+        s_order = np.lexsort((S["rank"], gid))
+        c_order = np.lexsort((C["seq"], C["rank"], cgid))
+        s_starts = np.searchsorted(gid[s_order], np.arange(n_groups + 1))
+        c_starts = np.searchsorted(cgid[c_order], np.arange(n_groups + 1))
+        Ss = {n: S[n][s_order] for n in names}
+        Cs = {n: C[n][c_order] for n, _ in COLL_BLOCK_FIELDS}
+        run_ids = gkeys >> 32
+        steps = gkeys & 0xFFFFFFFF
+        out_rows = []
+        new_steps = 0
+        for g in range(n_groups):
+            a, b = s_starts[g], s_starts[g + 1]
+            ca, cb = c_starts[g], c_starts[g + 1]
+            if gkeys[g] not in old_keys:
+                new_steps += 1
+            if a == b:
+                # collectives without their rank-step rows yet: keep them in the block, no rollup
+                block = encode_block(STEP_BLOCK_FIELDS, {n: Ss[n][a:b] for n in names})
+                rank_bits = ""
+            else:
+                block = encode_block(STEP_BLOCK_FIELDS, {n: Ss[n][a:b] for n in names})
+                rank_bits = bits_of(Ss["rank"][a:b])
+            coll_block = encode_block(COLL_BLOCK_FIELDS, {n: Cs[n][ca:cb] for n, _ in COLL_BLOCK_FIELDS}) if cb > ca else None
+            out_rows.append(
+                (
+                    int(run_ids[g]),
+                    int(steps[g]),
+                    int(n_ranks[g]),
+                    *(_f(roll[c][g]) for c in ("ts", "step_s", "data_s", "compute_s", "comm_exposed_s", "other_s",
+                                                "comm_total_s", "forward_s", "backward_s", "optimizer_s",
+                                                "step_s_max", "work_s", "work_s_max")),
+                    int(slow[g]) if slow[g] >= 0 else None,
+                    *(_f(roll[c][g]) for c in ("tokens", "padded_tokens", "samples", "flops", "mem_peak_bytes",
+                                                "mem_reserved_bytes", "alloc_retries")),
+                    int(neg[g]),
+                    int(n_coll[g]),
+                    rank_bits,
+                    block,
+                    coll_block,
+                )
+            )
+        cur.execute(f"CREATE TEMP TABLE _new_steps ON COMMIT DROP AS SELECT {_STEP_COLS} FROM steps LIMIT 0")
+        with cur.copy(f"COPY _new_steps ({_STEP_COLS}) FROM STDIN") as cp:
+            for row in out_rows:
+                cp.write_row(row)
+        upd = ", ".join(f"{c.strip()} = excluded.{c.strip()}" for c in _STEP_COLS.split(",")[2:])
+        cur.execute(
+            f"INSERT INTO steps ({_STEP_COLS}) SELECT {_STEP_COLS} FROM _new_steps "
+            f"ON CONFLICT (run_id, step) DO UPDATE SET {upd}"
+        )
+        res.steps = n_groups
+
+        # per-run collective rollup from the NEW collective rows only (additive)
+        newc = ~C["is_old"]
+        if newc.any():
+            calls = np.maximum(C["calls"][newc], 1)
+            per_call = C["bytes"][newc] / calls
+            bucket = np.floor(np.log2(np.maximum(per_call, 1))).astype(np.int64)
+            ckey = np.stack([C["run_id"][newc], C["op"][newc], C["group_size"][newc], bucket], axis=1)
+            uniq, inv = np.unique(ckey, axis=0, return_inverse=True)
+            inv = inv.reshape(-1)
+            m = len(uniq)
+            agg = [
+                np.bincount(inv, minlength=m),
+                np.bincount(inv, weights=C["calls"][newc], minlength=m),
+                np.bincount(inv, weights=C["bytes"][newc], minlength=m),
+                np.bincount(inv, weights=C["total_s"][newc], minlength=m),
+                np.bincount(inv, weights=np.nan_to_num(C["exposed_s"][newc]), minlength=m),
+            ]
+            cur.executemany(
+                "INSERT INTO run_collectives (run_id, op, group_size, size_bucket, records, calls, bytes, total_s, exposed_s) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id, op, group_size, size_bucket) DO UPDATE SET "
+                "records = run_collectives.records + excluded.records, calls = run_collectives.calls + excluded.calls, "
+                "bytes = run_collectives.bytes + excluded.bytes, total_s = run_collectives.total_s + excluded.total_s, "
+                "exposed_s = run_collectives.exposed_s + excluded.exposed_s",
+                [
+                    (int(u[0]), int(u[1]), int(u[2]), int(u[3]), int(agg[0][i]), int(agg[1][i]), float(agg[2][i]),
+                     float(agg[3][i]), float(agg[4][i]))
+                    for i, u in enumerate(uniq)
+                ],
+            )
+        # per-run counters
+        per_run: dict[int, list[int]] = {}
+        for r in np.unique(run_ids):
+            r = int(r)
+            in_run = run_ids == r
+            new_s = int(((~S["is_old"]) & (S["run_id"] == r)).sum())
+            new_c = int(((~C["is_old"]) & (C["run_id"] == r)).sum())
+            n_new_steps = sum(1 for g in np.flatnonzero(in_run) if gkeys[g] not in old_keys and s_starts[g + 1] > s_starts[g])
+            per_run[r] = [new_s, new_c, n_new_steps, int(steps[in_run].max())]
+            res.runs.add(r)
+        cur.executemany(
+            "UPDATE runs SET rank_steps = rank_steps + %s, collective_records = collective_records + %s, "
+            "steps = steps + %s, last_step = greatest(last_step, %s), last_seen_at = now() WHERE id = %s",
+            [(*v, k) for k, v in per_run.items()],
+        )
+        del new_steps
+
+    def _fold_modalities(self, cur: Any, mods: list) -> None:
+        agg: dict[tuple[int, int, str], dict[int, int]] = {}
+        for run_id, step, rank, modality, tokens in mods:
+            agg.setdefault((run_id, step, modality), {}).setdefault(rank, int(tokens))
+        keys = list(agg)
+        existing = {}
+        for run_id, step, modality, bits in cur.execute(
+            "SELECT run_id, step, modality, ranks::text FROM run_modalities WHERE (run_id, step, modality) IN "
+            "(SELECT * FROM unnest(%s::int[], %s::int[], %s::text[]))",
+            ([k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys]),
+        ).fetchall():
+            existing[(run_id, step, modality)] = set(ranks_of(bits).tolist())
+        rows = []
+        for key, per_rank in agg.items():
+            have = existing.get(key, set())
+            add = {r: t for r, t in per_rank.items() if r not in have}
+            if not add:
+                continue
+            all_ranks = np.array(sorted(have | set(add)))
+            rows.append((key[0], key[1], key[2], sum(add.values()), bits_of(all_ranks)))
+        cur.executemany(
+            "INSERT INTO run_modalities (run_id, step, modality, tokens, ranks) VALUES (%s, %s, %s, %s, %s::varbit) "
+            "ON CONFLICT (run_id, step, modality) DO UPDATE SET tokens = run_modalities.tokens + excluded.tokens, "
+            "ranks = excluded.ranks",
+            rows,
+        )
+
+
+def _f(x: float) -> float | None:
+    return None if np.isnan(x) else float(x)
+
+
+def _dedup(cols: dict[str, np.ndarray], key: tuple[str, ...]) -> tuple[dict[str, np.ndarray], int]:
+    """Keep the first row of each key (existing block rows come first, so they win)."""
+    n = len(cols[key[0]])
+    if n == 0:
+        return cols, 0
+    order = np.lexsort(tuple(cols[k] for k in reversed(key)) + ())
+    # stable: lexsort is stable, so among equal keys the earlier (existing) row stays first
+    sk = np.stack([cols[k][order] for k in key], axis=1)
+    first = np.r_[True, np.any(sk[1:] != sk[:-1], axis=1)]
+    keep = np.sort(order[first])
+    return {k: v[keep] for k, v in cols.items()}, n - len(keep)

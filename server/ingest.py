@@ -1,0 +1,207 @@
+"""Ingest: decode a batch, validate it, and land it in Postgres by binary COPY in one transaction.
+
+Idempotency: the raw tables are append-only landing zones without indexes (plain COPY is the
+fastest path, measurements.md); duplicates (retries, overlaps, concurrent senders) are removed by
+the compactor, which keys rank-steps on (run, step, rank) and collectives on (run, step, rank, seq),
+and every read of not-yet-compacted rows deduplicates the same way. A batch is all-or-nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+from sqlalchemy import Engine
+
+from fleetscope.wire import MSGPACK_CONTENT_TYPE
+
+from .codec import RAW_COLL_LAYOUT, RAW_STEP_FLOATS, RAW_STEP_LAYOUT
+from .db import raw_connection
+from .validate import BatchError, ValidBatch, validate_batch
+
+__all__ = ["IngestService", "Admission", "Overloaded"]
+
+log = logging.getLogger(__name__)
+
+
+class Overloaded(Exception):
+    """The server cannot take this batch now; the client should retry after ``retry_after`` s."""
+
+    def __init__(self, status: int, reason: str, retry_after: int) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class Admission:
+    """Bounded concurrency with a bounded wait queue: beyond it, refuse (503) instead of queueing."""
+
+    def __init__(self, concurrency: int, queue: int) -> None:
+        self._sem = threading.Semaphore(concurrency)
+        self._lock = threading.Lock()
+        self.waiting = 0
+        self.active = 0
+        self._queue = queue
+
+    def __enter__(self) -> Admission:
+        with self._lock:
+            if self.waiting >= self._queue:
+                raise Overloaded(503, "ingest queue full", 1)
+            self.waiting += 1
+        ok = self._sem.acquire(timeout=30)
+        with self._lock:
+            self.waiting -= 1
+            if ok:
+                self.active += 1
+        if not ok:
+            raise Overloaded(503, "ingest writers busy", 2)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._lock:
+            self.active -= 1
+        self._sem.release()
+
+
+@dataclass
+class IngestResult:
+    run_id: int
+    accepted: dict[str, int]
+
+
+def _decompress(body: bytes, limit: int) -> bytes:
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise BatchError("body", f"invalid gzip data ({e})", status=400) from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise BatchError("body", f"decompressed batch exceeds {limit} bytes", status=413)
+    if not d.eof:
+        raise BatchError("body", "truncated gzip data", status=400)
+    return out
+
+
+def decode_body(body: bytes, content_type: str | None, content_encoding: str | None, *, max_decoded: int) -> Any:
+    """Bytes on the wire → Python objects; errors are BatchError with 400/413/415."""
+    enc = (content_encoding or "identity").strip().lower()
+    if enc == "gzip":
+        body = _decompress(body, max_decoded)
+    elif enc not in ("identity", ""):
+        raise BatchError("Content-Encoding", f"unsupported encoding {enc!r} (use gzip or none)", status=415)
+    ctype = (content_type or "").split(";")[0].strip().lower()
+    if ctype in (MSGPACK_CONTENT_TYPE, "application/x-msgpack", "application/vnd.msgpack"):
+        try:
+            return msgpack.unpackb(body, raw=False, strict_map_key=True)
+        except Exception as e:  # noqa: BLE001 - any decoding failure is the client's
+            raise BatchError("body", f"malformed msgpack ({type(e).__name__}: {e})", status=400) from None
+    if ctype in ("application/json", ""):
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BatchError("body", f"malformed JSON ({e})", status=400) from None
+    raise BatchError("Content-Type", f"unsupported media type {ctype!r} (use {MSGPACK_CONTENT_TYPE} or application/json)", status=415)
+
+
+class IngestService:
+    """Validates batches and writes them; shared by the HTTP route, tests and benchmarks."""
+
+    def __init__(self, engine: Engine, *, concurrency: int = 4, queue: int = 32, backlog_max_rows: int = 5_000_000,
+                 max_batch_records: int = 1_000_000) -> None:
+        self.engine = engine
+        self.admission = Admission(concurrency, queue)
+        self.backlog_max_rows = backlog_max_rows
+        self.max_batch_records = max_batch_records
+        self.backlog_rows = 0  # set by the compactor after each pass
+        self._world: dict[int, int] = {}
+        self._world_lock = threading.Lock()
+
+    def world_size_of(self, run_id: int) -> int | None:
+        ws = self._world.get(run_id)
+        if ws is not None:
+            return ws
+        with self.engine.connect() as c:
+            row = c.exec_driver_sql("SELECT world_size FROM runs WHERE id = %(id)s", {"id": run_id}).fetchone()
+        if row is None:
+            return None
+        with self._world_lock:
+            self._world[run_id] = int(row[0])
+        return int(row[0])
+
+    def forget_run(self, run_id: int) -> None:
+        self._world.pop(run_id, None)
+
+    def ingest(self, doc: Any) -> IngestResult:
+        """Validate and write one decoded batch (all or nothing)."""
+        if self.backlog_rows > self.backlog_max_rows:
+            raise Overloaded(429, "compaction backlog", 2)
+        batch = validate_batch(doc, self.world_size_of)
+        if batch.n_records > self.max_batch_records:
+            raise BatchError("batch", f"has {batch.n_records} records; the limit is {self.max_batch_records}", status=413)
+        with self.admission:
+            self._write(batch)
+        return IngestResult(
+            run_id=batch.run_id,
+            accepted={
+                "rank_steps": batch.count("rank_steps"),
+                "collectives": batch.count("collectives"),
+                "modality_tokens": batch.count("modality_tokens"),
+                "ranks": len(batch.ranks),
+                "events": len(batch.events),
+            },
+        )
+
+    def _write(self, b: ValidBatch) -> None:
+        t0 = time.perf_counter()
+        with raw_connection(self.engine) as conn, conn.cursor() as cur:
+            if b.rank_steps:
+                rs = b.rank_steps
+                n = len(rs["rank"])
+                nan = np.full(n, np.nan)
+                vals: dict[str, Any] = {"run_id": b.run_id, "step": rs["step"], "rank": rs["rank"]}
+                vals["flags"] = np.nan_to_num(rs["flags"]) if "flags" in rs else 0
+                for f in RAW_STEP_FLOATS:
+                    vals[f] = rs.get(f, nan)
+                with cur.copy(RAW_STEP_LAYOUT.copy_in_sql) as cp:
+                    cp.write(RAW_STEP_LAYOUT.build(n, vals))
+            if b.collectives:
+                cs = b.collectives
+                n = len(cs["rank"])
+                nan = np.full(n, np.nan)
+                vals = {k: cs[k] for k in ("step", "rank", "seq", "op", "group_size", "bytes", "calls", "total_s")}
+                vals["run_id"] = b.run_id
+                vals["exposed_s"] = cs.get("exposed_s", nan)
+                vals["start_ts"] = cs.get("start_ts", nan)
+                with cur.copy(RAW_COLL_LAYOUT.copy_in_sql) as cp:
+                    cp.write(RAW_COLL_LAYOUT.build(n, vals))
+            if b.modality_tokens:
+                ms = b.modality_tokens
+                with cur.copy("COPY modality_raw (run_id, step, rank, modality, tokens) FROM STDIN") as cp:
+                    for s, r, m, t in zip(ms["step"], ms["rank"], ms["modality"], ms["tokens"], strict=True):
+                        cp.write_row((b.run_id, int(s), int(r), m, int(t)))
+            if b.ranks:
+                cur.executemany(
+                    "INSERT INTO ranks (run_id, rank, host, node, local_rank, device) "
+                    "VALUES (%(run_id)s, %(rank)s, %(host)s, %(node)s, %(local_rank)s, %(device)s) "
+                    "ON CONFLICT (run_id, rank) DO UPDATE SET host = coalesce(excluded.host, ranks.host), "
+                    "node = coalesce(excluded.node, ranks.node), "
+                    "local_rank = coalesce(excluded.local_rank, ranks.local_rank), "
+                    "device = coalesce(excluded.device, ranks.device)",
+                    [{"run_id": b.run_id, **r} for r in b.ranks],
+                )
+            if b.events:
+                cur.executemany(
+                    "INSERT INTO run_events (run_id, rank, seq, kind, ts, step, data) "
+                    "VALUES (%(run_id)s, %(rank)s, %(seq)s, %(kind)s, %(ts)s, %(step)s, %(data)s::jsonb) "
+                    "ON CONFLICT (run_id, rank, seq) DO NOTHING",
+                    [{**e, "run_id": b.run_id, "data": json.dumps(e["data"])} for e in b.events],
+                )
+        log.debug("wrote batch run=%s records=%d in %.1f ms", b.run_id, b.n_records, (time.perf_counter() - t0) * 1e3)

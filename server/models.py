@@ -1,0 +1,295 @@
+"""SQLAlchemy 2 typed models of the store. Alembic (migrations/) owns the schema; these mirror it.
+
+Layout (docs/architecture.md): rank-step and collective records land in narrow append-only *raw*
+tables by binary COPY; the compactor folds each complete step into one ``steps`` row holding the
+cross-rank rollup columns plus a compressed columnar block of every rank's record. ``run_id`` leads
+every key so the schema distributes on Citus by run_id unchanged.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    SmallInteger,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+)
+from sqlalchemy.dialects.postgresql import BIT, JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+__all__ = [
+    "Base",
+    "Run",
+    "Rank",
+    "RankStepRaw",
+    "CollectiveRaw",
+    "ModalityRaw",
+    "Step",
+    "RunCollective",
+    "RunModality",
+    "RunEvent",
+    "BenchmarkSeries",
+    "BenchmarkPoint",
+    "Alert",
+    "ApiToken",
+    "TraceSummary",
+]
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+TZ = DateTime(timezone=True)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Run(Base):
+    """One training job; all ranks of the job share it (idempotent by name)."""
+
+    __tablename__ = "runs"
+    __table_args__ = (Index("ix_runs_started_at", "started_at"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(256), unique=True)
+    model_family: Mapped[str | None] = mapped_column(String(128), index=True)
+    config: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
+    config_signature: Mapped[str | None] = mapped_column(String(64))
+    world_size: Mapped[int] = mapped_column(Integer, server_default="1")
+    mp_size: Mapped[int] = mapped_column(Integer, server_default="1")
+    device_type: Mapped[str | None] = mapped_column(String(64))
+    device_count: Mapped[int | None] = mapped_column(Integer)
+    peak_flops: Mapped[float | None] = mapped_column(Double)
+    git_commit: Mapped[str | None] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), server_default="running")
+    meta: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
+    started_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
+    finished_at: Mapped[dt.datetime | None] = mapped_column(TZ)
+    last_seen_at: Mapped[dt.datetime | None] = mapped_column(TZ)
+    # per-run rollup counters, maintained by the compactor
+    rank_steps: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    collective_records: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    steps: Mapped[int] = mapped_column(Integer, server_default="0")
+    last_step: Mapped[int | None] = mapped_column(Integer)
+
+
+class Rank(Base):
+    __tablename__ = "ranks"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    host: Mapped[str | None] = mapped_column(String(256))
+    node: Mapped[str | None] = mapped_column(String(256))
+    local_rank: Mapped[int | None] = mapped_column(Integer)
+    device: Mapped[str | None] = mapped_column(String(128))
+
+
+class RankStepRaw(Base):
+    """Landing table (no index: plain COPY). NaN means "not measured". Deduplicated at compaction."""
+
+    __tablename__ = "rank_steps_raw"
+    __mapper_args__ = {"primary_key": ["run_id", "step", "rank"]}
+    run_id: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    flags: Mapped[int] = mapped_column(Integer)
+    ts: Mapped[float] = mapped_column(Double)
+    step_s: Mapped[float] = mapped_column(Double)
+    data_s: Mapped[float] = mapped_column(Double)
+    compute_s: Mapped[float] = mapped_column(Double)
+    forward_s: Mapped[float] = mapped_column(Double)
+    backward_s: Mapped[float] = mapped_column(Double)
+    optimizer_s: Mapped[float] = mapped_column(Double)
+    comm_exposed_s: Mapped[float] = mapped_column(Double)
+    comm_total_s: Mapped[float] = mapped_column(Double)
+    other_s: Mapped[float] = mapped_column(Double)
+    tokens: Mapped[float] = mapped_column(Double)
+    padded_tokens: Mapped[float] = mapped_column(Double)
+    samples: Mapped[float] = mapped_column(Double)
+    flops: Mapped[float] = mapped_column(Double)
+    mem_allocated_bytes: Mapped[float] = mapped_column(Double)
+    mem_reserved_bytes: Mapped[float] = mapped_column(Double)
+    mem_peak_bytes: Mapped[float] = mapped_column(Double)
+    alloc_retries: Mapped[float] = mapped_column(Double)
+    received_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class CollectiveRaw(Base):
+    __tablename__ = "collectives_raw"
+    __mapper_args__ = {"primary_key": ["run_id", "step", "rank", "seq"]}
+    run_id: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    seq: Mapped[int] = mapped_column(Integer)
+    op: Mapped[int] = mapped_column(SmallInteger)
+    group_size: Mapped[int] = mapped_column(Integer)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    calls: Mapped[int] = mapped_column(Integer)
+    total_s: Mapped[float] = mapped_column(Double)
+    exposed_s: Mapped[float] = mapped_column(Double)
+    start_ts: Mapped[float] = mapped_column(Double)
+    received_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class ModalityRaw(Base):
+    __tablename__ = "modality_raw"
+    __mapper_args__ = {"primary_key": ["run_id", "step", "rank", "modality"]}
+    run_id: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    modality: Mapped[str] = mapped_column(String(64))
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    received_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class Step(Base):
+    """One row per (run, step): cross-rank rollup columns + the compressed per-rank block."""
+
+    __tablename__ = "steps"
+    run_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    n_ranks: Mapped[int] = mapped_column(Integer)
+    ts: Mapped[float | None] = mapped_column(Double)
+    step_s: Mapped[float | None] = mapped_column(Double)  # cross-rank median
+    data_s: Mapped[float | None] = mapped_column(Double)
+    compute_s: Mapped[float | None] = mapped_column(Double)
+    comm_exposed_s: Mapped[float | None] = mapped_column(Double)
+    other_s: Mapped[float | None] = mapped_column(Double)
+    comm_total_s: Mapped[float | None] = mapped_column(Double)
+    forward_s: Mapped[float | None] = mapped_column(Double)
+    backward_s: Mapped[float | None] = mapped_column(Double)
+    optimizer_s: Mapped[float | None] = mapped_column(Double)
+    step_s_max: Mapped[float | None] = mapped_column(Double)
+    work_s: Mapped[float | None] = mapped_column(Double)  # median over ranks of step - exposed comm
+    work_s_max: Mapped[float | None] = mapped_column(Double)
+    slowest_rank: Mapped[int | None] = mapped_column(Integer)
+    tokens: Mapped[float | None] = mapped_column(Double)  # sums over ranks
+    padded_tokens: Mapped[float | None] = mapped_column(Double)
+    samples: Mapped[float | None] = mapped_column(Double)
+    flops: Mapped[float | None] = mapped_column(Double)
+    mem_peak_bytes: Mapped[float | None] = mapped_column(Double)  # max over ranks
+    mem_reserved_bytes: Mapped[float | None] = mapped_column(Double)
+    alloc_retries: Mapped[float | None] = mapped_column(Double)  # sum over ranks
+    neg_residual: Mapped[int] = mapped_column(Integer, server_default="0")
+    coll_records: Mapped[int] = mapped_column(Integer, server_default="0")
+    ranks: Mapped[str] = mapped_column(BIT(varying=True))  # bit r set = rank r present
+    block: Mapped[bytes] = mapped_column(LargeBinary)
+    coll_block: Mapped[bytes | None] = mapped_column(LargeBinary)
+
+
+class RunCollective(Base):
+    """Per-run rollup of collectives by (op, group size, message-size bucket)."""
+
+    __tablename__ = "run_collectives"
+    run_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    op: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    group_size: Mapped[int] = mapped_column(Integer, primary_key=True)
+    size_bucket: Mapped[int] = mapped_column(SmallInteger, primary_key=True)  # floor(log2(bytes/call))
+    records: Mapped[int] = mapped_column(BigInteger)
+    calls: Mapped[int] = mapped_column(BigInteger)
+    bytes: Mapped[float] = mapped_column(Double)
+    total_s: Mapped[float] = mapped_column(Double)
+    exposed_s: Mapped[float] = mapped_column(Double)
+
+
+class RunModality(Base):
+    __tablename__ = "run_modalities"
+    run_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    modality: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    ranks: Mapped[str] = mapped_column(BIT(varying=True))
+
+
+class RunEvent(Base):
+    __tablename__ = "run_events"
+    run_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(64))
+    ts: Mapped[float | None] = mapped_column(Double)
+    step: Mapped[int | None] = mapped_column(Integer)
+    data: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
+
+
+class BenchmarkSeries(Base):
+    __tablename__ = "benchmark_series"
+    __table_args__ = (UniqueConstraint("name", "cluster", "params_key"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    cluster: Mapped[str] = mapped_column(String(128))
+    params_key: Mapped[str] = mapped_column(String(256))
+    params: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
+    unit: Mapped[str] = mapped_column(String(32))
+
+
+class BenchmarkPoint(Base):
+    __tablename__ = "benchmark_points"
+    series_id: Mapped[int] = mapped_column(
+        ForeignKey("benchmark_series.id", ondelete="CASCADE"), primary_key=True
+    )
+    ts: Mapped[dt.datetime] = mapped_column(TZ, primary_key=True)
+    value: Mapped[float] = mapped_column(Double)
+    git_commit: Mapped[str | None] = mapped_column(String(64))
+
+
+class Alert(Base):
+    __tablename__ = "alerts"
+    __table_args__ = (Index("ix_alerts_state", "state"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    dedup_key: Mapped[str] = mapped_column(String(256), unique=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    metric: Mapped[str] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(16), server_default="firing")
+    run_id: Mapped[int | None] = mapped_column(Integer)
+    before: Mapped[float | None] = mapped_column(Double)
+    after: Mapped[float | None] = mapped_column(Double)
+    change: Mapped[float | None] = mapped_column(Double)
+    significance: Mapped[float | None] = mapped_column(Double)
+    first_bad: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
+    details: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
+    url: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
+    updated_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
+    acknowledged_at: Mapped[dt.datetime | None] = mapped_column(TZ)
+    resolved_at: Mapped[dt.datetime | None] = mapped_column(TZ)
+
+
+class ApiToken(Base):
+    """API tokens, stored as SHA-256 hashes only."""
+
+    __tablename__ = "api_tokens"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
+    last_used_at: Mapped[dt.datetime | None] = mapped_column(TZ)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(TZ)
+
+
+class TraceSummary(Base):
+    """Reduced Kineto trace attached to a run (issue #7)."""
+
+    __tablename__ = "trace_summaries"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    source: Mapped[str] = mapped_column(String(512), primary_key=True)
+    summary: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    created_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())

@@ -1,0 +1,31 @@
+"""Liveness/readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", summary="200 once the server is ready (database reachable)")
+def healthz(request: Request) -> JSONResponse:
+    st = getattr(request.app.state, "fs", None)
+    if st is None or not st.ready:
+        return JSONResponse({"status": "starting"}, status_code=503)
+    try:
+        with st.engine.connect() as c:
+            c.execute(text("SELECT 1"))
+    except Exception as e:  # noqa: BLE001
+        return JSONResponse({"status": "database unavailable", "error": type(e).__name__}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+def metrics(request: Request) -> Response:
+    st = getattr(request.app.state, "fs", None)
+    if st is None:
+        return Response("", status_code=503)
+    return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)

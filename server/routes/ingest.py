@@ -1,0 +1,99 @@
+"""POST /api/v1/ingest: authenticated, size-limited, validated, idempotent batch ingest."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import psycopg
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
+from starlette.concurrency import run_in_threadpool
+
+from ..deps import State
+from ..ingest import Overloaded, decode_body
+from ..schemas import INGEST_BODY_SCHEMA, IngestResponse
+from ..validate import BatchError
+
+router = APIRouter(tags=["ingest"])
+log = logging.getLogger(__name__)
+
+_REASONS = {400: "malformed", 401: "auth", 413: "too_large", 415: "unsupported", 422: "invalid"}
+
+
+def _error(st: Any, status: int, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
+    st.metrics.rejections.labels(_REASONS.get(status, "overloaded" if status in (429, 503) else str(status))).inc()
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+@router.post(
+    "/ingest",
+    response_model=IngestResponse,
+    summary="Ingest a batch of rank-step, collective, modality, rank and event records",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/msgpack": {"schema": INGEST_BODY_SCHEMA},
+                "application/json": {"schema": INGEST_BODY_SCHEMA},
+            },
+        }
+    },
+    responses={
+        400: {"description": "Malformed body (bad gzip/msgpack/JSON)"},
+        401: {"description": "Missing or invalid bearer token; nothing written"},
+        413: {"description": "Batch too large"},
+        415: {"description": "Unsupported Content-Type or Content-Encoding"},
+        422: {"description": "Invalid record: the detail names the record index and field; nothing written"},
+        429: {"description": "Compaction backlog; retry after Retry-After seconds"},
+        503: {"description": "Overloaded; retry after Retry-After seconds"},
+    },
+)
+async def ingest(request: Request, st: State) -> Any:
+    t0 = time.perf_counter()
+    if not st.settings.insecure_no_auth:
+        ok = await run_in_threadpool(st.tokens.verify, request.headers.get("authorization"))
+        if not ok:
+            return _error(st, 401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
+    limit = st.settings.max_body_bytes
+    clen = request.headers.get("content-length")
+    if clen is not None:
+        try:
+            if int(clen) > limit:
+                return _error(st, 413, f"body of {clen} bytes exceeds the limit of {limit} bytes")
+        except ValueError:
+            return _error(st, 400, "invalid Content-Length")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return _error(st, 413, f"body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+
+    def work() -> Any:
+        doc = decode_body(
+            body,
+            request.headers.get("content-type"),
+            request.headers.get("content-encoding"),
+            max_decoded=st.settings.max_decoded_bytes,
+        )
+        return st.ingest.ingest(doc)
+
+    try:
+        res = await run_in_threadpool(work)
+    except BatchError as e:
+        return _error(st, e.status, e.detail())
+    except Overloaded as e:
+        return _error(st, e.status, e.reason, {"Retry-After": str(e.retry_after)})
+    except (OperationalError, psycopg.OperationalError, TimeoutError) as e:
+        log.warning("database unavailable during ingest: %s", type(e).__name__)
+        return _error(st, 503, "database unavailable; retry later", {"Retry-After": "2"})
+    for kind, n in res.accepted.items():
+        if n:
+            st.metrics.records.labels(kind).inc(n)
+    st.metrics.batches.inc()
+    st.metrics.batch_seconds.observe(time.perf_counter() - t0)
+    return {"run_id": res.run_id, "accepted": res.accepted}

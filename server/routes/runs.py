@@ -1,0 +1,75 @@
+"""Runs: registration (write) and the read API (list, one, summary, collectives)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Path, Query, Request
+from starlette.concurrency import run_in_threadpool
+
+from .. import queries
+from ..deps import State
+from ..runs import RunFinish, RunRegistration, finish_run, register_run
+from ..schemas import RunsResponse, SummaryResponse
+
+router = APIRouter(tags=["runs"])
+
+RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
+
+
+def _require_token(request: Request, st: Any) -> None:
+    if st.settings.insecure_no_auth:
+        return
+    if not st.tokens.verify(request.headers.get("authorization")):
+        raise HTTPException(status_code=401, detail="missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+
+@router.post("/runs", summary="Register a run (idempotent by name; every rank may call it)")
+def post_run(reg: RunRegistration, request: Request, st: State) -> dict[str, Any]:
+    _require_token(request, st)
+    out = register_run(st.engine, reg)
+    st.ingest.forget_run(out["id"])
+    return out
+
+
+@router.post("/runs/{run_id}/finish", summary="Mark a run finished/failed/aborted")
+def post_finish(run_id: RunId, body: RunFinish, request: Request, st: State) -> dict[str, Any]:
+    _require_token(request, st)
+    if not finish_run(st.engine, run_id, body.status):
+        raise HTTPException(status_code=404, detail=f"run {run_id} not found")
+    return {"id": run_id, "status": body.status}
+
+
+@router.get("/runs", response_model=RunsResponse, summary="List runs, newest first")
+async def get_runs(
+    st: State,
+    name: Annotated[str | None, Query(max_length=256)] = None,
+    family: Annotated[str | None, Query(max_length=128)] = None,
+    status: Annotated[str | None, Query(max_length=16)] = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+) -> Any:
+    runs = await run_in_threadpool(lambda: queries.list_runs(st.engine, name=name, family=family, status=status, limit=limit))
+    return {"runs": runs}
+
+
+@router.get("/runs/{run_id}", summary="One run")
+def get_run(run_id: RunId, st: State) -> dict[str, Any]:
+    run = queries.get_run(st.engine, run_id)
+    if run is None:
+        raise HTTPException(status_code=404, detail=f"run {run_id} not found")
+    return run
+
+
+@router.get("/runs/{run_id}/summary", response_model=SummaryResponse, summary="Run summary (metrics.md)")
+def get_summary(run_id: RunId, st: State) -> Any:
+    s = queries.run_summary(st.engine, run_id)
+    if s is None:
+        raise HTTPException(status_code=404, detail=f"run {run_id} not found")
+    return s
+
+
+@router.get("/runs/{run_id}/collectives", summary="Collectives by op × group × message size, with busbw")
+def get_collectives(run_id: RunId, st: State) -> dict[str, Any]:
+    if queries.get_run(st.engine, run_id) is None:
+        raise HTTPException(status_code=404, detail=f"run {run_id} not found")
+    return {"collectives": queries.run_collectives(st.engine, run_id)}

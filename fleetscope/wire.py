@@ -17,7 +17,7 @@ A batch is one JSON or msgpack object (optionally gzip-compressed) for one run::
 Columnar sections are objects of equal-length arrays (a missing optional column means all null;
 ``null`` inside an optional column means "not measured"). Instead of columns a batch may carry
 ``"records": [{"kind": "rank_step", ...}, {"kind": "collective", ...}, ...]`` (row form, friendlier
-for scripts, slower); both forms may not be mixed in one section.
+for scripts, slower; an event record names its own kind in ``"event"``); both forms may not be mixed.
 
 Keys that make a batch idempotent (a retried or overlapping batch never duplicates a row):
 rank_step (run_id, rank, step); collective (run_id, rank, step, seq);

@@ -52,17 +52,20 @@ class Admission:
         self._queue = queue
 
     def __enter__(self) -> Admission:
+        if not self._sem.acquire(blocking=False):
+            with self._lock:
+                if self.waiting >= self._queue:
+                    raise Overloaded(503, "ingest queue full", 1)
+                self.waiting += 1
+            try:
+                ok = self._sem.acquire(timeout=30)
+            finally:
+                with self._lock:
+                    self.waiting -= 1
+            if not ok:
+                raise Overloaded(503, "ingest writers busy", 2)
         with self._lock:
-            if self.waiting >= self._queue:
-                raise Overloaded(503, "ingest queue full", 1)
-            self.waiting += 1
-        ok = self._sem.acquire(timeout=30)
-        with self._lock:
-            self.waiting -= 1
-            if ok:
-                self.active += 1
-        if not ok:
-            raise Overloaded(503, "ingest writers busy", 2)
+            self.active += 1
         return self
 
     def __exit__(self, *exc: Any) -> None:

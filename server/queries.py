@@ -35,7 +35,10 @@ def _run_dict(row: Any) -> dict[str, Any]:
 
 
 def _raw_counts(c: Any, run_ids: list[int]) -> dict[int, tuple[int, int]]:
-    """(rank_steps, collectives) landed but not compacted, excluding copies already in a block."""
+    """(rank_steps, collectives) landed but not compacted, excluding copies already in a block.
+
+    A collective of a step whose block already holds that rank's collectives is taken as a copy
+    (a retry); a genuinely late one is counted once the compactor (≤ 1 s) merges it."""
     if not run_ids:
         return {}
     out: dict[int, list[int]] = {r: [0, 0] for r in run_ids}
@@ -54,8 +57,14 @@ def _raw_counts(c: Any, run_ids: list[int]) -> dict[int, tuple[int, int]]:
         out[rid][0] = n
     for rid, n in c.execute(
         text(
-            "SELECT run_id, count(*) FROM (SELECT DISTINCT run_id, step, rank, seq FROM collectives_raw "
-            "WHERE run_id = ANY(:ids)) t GROUP BY run_id"
+            """
+            SELECT t.run_id, count(*) FROM (SELECT DISTINCT run_id, step, rank, seq FROM collectives_raw
+                                           WHERE run_id = ANY(:ids)) t
+            WHERE NOT EXISTS (SELECT 1 FROM steps s WHERE s.run_id = t.run_id AND s.step = t.step
+                              AND s.coll_records > 0 AND length(s.ranks) > t.rank
+                              AND substring(s.ranks FROM t.rank + 1 FOR 1) = B'1')
+            GROUP BY t.run_id
+            """
         ),
         {"ids": run_ids},
     ):

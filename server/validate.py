@@ -159,12 +159,10 @@ def _section(
     for k in data:
         if k not in known:
             raise BatchError(f"{section}.{k}", f"unknown field (expected some of {', '.join(sorted(known))})")
-    lengths = {len(v) for v in data.values() if isinstance(v, list)}
     if not data:
         return {}
-    n = len(next(iter(data.values()))) if isinstance(next(iter(data.values())), list) else -1
-    if len(lengths) > 1:
-        raise BatchError(section, f"columns have different lengths {sorted(lengths)}")
+    ref = data.get("rank", next(iter(data.values())))
+    n = len(ref) if isinstance(ref, list) else -1
     cols: dict[str, np.ndarray] = {}
     for f in fields:
         if f.name in data:
@@ -216,7 +214,10 @@ def _rows_to_columns(records: Any) -> tuple[dict[str, dict[str, list]], dict[str
             ranks.append((i, {k: v for k, v in rec.items() if k != "kind"}))
             continue
         if kind == "event":
-            events.append((i, {k: v for k, v in rec.items() if k != "kind"}))
+            # the record's own kind travels as "event" (the key "kind" says what record this is)
+            ev = {k: v for k, v in rec.items() if k not in ("kind", "event")}
+            ev["kind"] = rec.get("event")
+            events.append((i, ev))
             continue
         sec = kind_to_section.get(kind)  # type: ignore[arg-type]
         if sec is None:

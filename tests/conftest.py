@@ -1,0 +1,141 @@
+"""Shared fixtures: one embedded Postgres per test session, a fresh database per test, and the real
+server on a loopback port (uvicorn in a thread) over HTTP."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def pg_root() -> Iterator[Any]:
+    """The session's embedded PostgreSQL (pgserver)."""
+    from fleetscope.server.db import EmbeddedPostgres
+
+    d = tempfile.mkdtemp(prefix="fs-pg-")
+    pg = EmbeddedPostgres(d)
+    pg.start()
+    yield pg
+    pg.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_admin_uri(pg_root: Any) -> str:
+    return pg_root._server.get_uri("postgres")
+
+
+def _db_uri(admin_uri: str, name: str) -> str:
+    # postgresql://postgres:@/postgres?host=/path  → same with /name
+    head, _, query = admin_uri.partition("?")
+    base = head.rsplit("/", 1)[0]
+    return f"{base}/{name}" + (f"?{query}" if query else "")
+
+
+@pytest.fixture
+def db_url(pg_admin_uri: str) -> Iterator[str]:
+    """A fresh, empty database for one test."""
+    import psycopg
+
+    name = "t_" + uuid.uuid4().hex[:12]
+    with psycopg.connect(pg_admin_uri, autocommit=True) as c:
+        c.execute(f"CREATE DATABASE {name}")
+    yield _db_uri(pg_admin_uri, name)
+    with psycopg.connect(pg_admin_uri, autocommit=True) as c:
+        c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Any]:
+    """An engine on a migrated fresh database."""
+    from fleetscope.server.db import make_engine, upgrade
+
+    upgrade(db_url)
+    eng = make_engine(db_url, pool_size=4)
+    yield eng
+    eng.dispose()
+
+
+@dataclass
+class LiveServer:
+    url: str
+    app: Any
+    token: str
+    db_url: str
+    _server: Any
+    _thread: threading.Thread
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.fs
+
+    def client(self, token: str | None = "__default__") -> Any:
+        from fleetscope.client import Client
+
+        return Client(self.url, self.token if token == "__default__" else token)
+
+    def compact(self) -> Any:
+        return self.state.compactor.run_once(force=True)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+
+
+def start_server(db_url: str, **overrides: Any) -> LiveServer:
+    """Start the real app with uvicorn in a thread on a free loopback port."""
+    import uvicorn
+
+    from fleetscope.server.app import create_app
+    from fleetscope.server.auth import create_token
+    from fleetscope.settings import Settings
+
+    params: dict[str, Any] = {"database_url": db_url, "compact_interval_s": 0.2, "compact_grace_s": 1.0}
+    params.update(overrides)
+    settings = Settings(**params)
+    app = create_app(settings)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not t.is_alive():
+            raise RuntimeError("test server did not start")
+        time.sleep(0.02)
+    token = create_token(app.state.fs.engine, "test")
+    return LiveServer(f"http://127.0.0.1:{port}", app, token, db_url, server, t)
+
+
+@pytest.fixture
+def live_server(db_url: str) -> Iterator[LiveServer]:
+    """The real server over HTTP on loopback, with a fresh database and a token."""
+    srv = start_server(db_url)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def tmp_data_dir() -> Iterator[Path]:
+    # short path: Postgres unix socket paths are limited to ~107 bytes
+    d = Path(tempfile.mkdtemp(prefix="fsd-", dir="/tmp"))
+    yield d

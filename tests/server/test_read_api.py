@@ -1,0 +1,79 @@
+"""The read API over HTTP: runs, summary, collectives, alerts, OpenAPI, /metrics, /healthz."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from fleetscope.synthetic import RunSpec, collective_rows, rank_step_rows
+
+
+def _load(srv: Any, spec: RunSpec) -> int:
+    with srv.client() as c:
+        rid = c.register_run(spec.run_info())
+        for step, rows in rank_step_rows(spec):
+            c.ingest_rows(rid, rows, collective_rows(spec, step, rows))
+    srv.compact()
+    return rid
+
+
+def test_runs_list_filters_and_summary_follow_the_contract(live_server: Any) -> None:
+    a = _load(live_server, RunSpec(name="a", family="vla-7b", world_size=4, steps=4))
+    _load(live_server, RunSpec(name="b", family="vit-h", world_size=8, steps=3))
+    r = httpx.get(f"{live_server.url}/api/v1/runs").json()["runs"]
+    assert {x["name"] for x in r} == {"a", "b"}
+    for x in r:
+        for k in ("id", "name", "model_family", "world_size", "status", "started_at", "steps", "rank_steps"):
+            assert k in x
+    only = httpx.get(f"{live_server.url}/api/v1/runs", params={"family": "vit-h"}).json()["runs"]
+    assert [x["name"] for x in only] == ["b"] and only[0]["rank_steps"] == 24
+    assert httpx.get(f"{live_server.url}/api/v1/runs", params={"name": "a", "limit": 1}).json()["runs"][0]["id"] == a
+    s = httpx.get(f"{live_server.url}/api/v1/runs/{a}/summary").json()
+    d = s["decomposition"]
+    assert s["rank_steps"] == 16 and s["collective_records"] == 64
+    assert set(d) == {"step_s", "data_s", "compute_s", "comm_exposed_s", "other_s"}
+    # medians of the components add up to about the median step (each is a median, not a sum)
+    assert abs(d["data_s"] + d["compute_s"] + d["comm_exposed_s"] + d["other_s"] - d["step_s"]) / d["step_s"] < 0.05
+    assert 0 < s["mfu"] < 1 and s["mfu_estimated"] is True and s["tokens_per_s"] > 0
+    assert s["stragglers"] == [] and s["bottlenecks"] == []
+    colls = httpx.get(f"{live_server.url}/api/v1/runs/{a}/collectives").json()["collectives"]
+    ar = [c for c in colls if c["op"] == "all_reduce"]
+    assert ar and all(c["group_size"] == 4 for c in ar)
+    c0 = ar[0]
+    assert c0["busbw_bytes_per_s"] == c0["algbw_bytes_per_s"] * 2 * 3 / 4
+
+
+def test_unknown_run_is_404_and_bad_params_are_422(live_server: Any) -> None:
+    assert httpx.get(f"{live_server.url}/api/v1/runs/999/summary").status_code == 404
+    assert httpx.get(f"{live_server.url}/api/v1/runs/0/summary").status_code == 422
+    assert httpx.get(f"{live_server.url}/api/v1/runs", params={"limit": -1}).status_code == 422
+    assert httpx.get(f"{live_server.url}/api/v1/alerts", params={"state": "nope"}).status_code == 422
+    assert httpx.get(f"{live_server.url}/api/v1/alerts", params={"state": "firing"}).json() == {"alerts": []}
+
+
+def test_run_registration_is_idempotent_by_name(live_server: Any) -> None:
+    info = RunSpec(name="same", family="vla-7b", world_size=4, steps=1).run_info()
+    with live_server.client() as c:
+        ids = {c.register_run(info) for _ in range(4)}
+        assert len(ids) == 1
+        c.finish_run(ids.pop())
+    assert httpx.get(f"{live_server.url}/api/v1/runs", params={"name": "same"}).json()["runs"][0]["status"] == "finished"
+
+
+def test_openapi_healthz_and_metrics(live_server: Any) -> None:
+    spec = httpx.get(f"{live_server.url}/openapi.json").json()
+    paths = spec["paths"]
+    for p in ("/api/v1/ingest", "/api/v1/runs", "/api/v1/runs/{run_id}/summary", "/api/v1/alerts", "/healthz"):
+        assert p in paths
+    body = paths["/api/v1/ingest"]["post"]["requestBody"]["content"]
+    assert "application/msgpack" in body and "rank_steps" in body["application/json"]["schema"]["properties"]
+    assert httpx.get(f"{live_server.url}/healthz").json() == {"status": "ok"}
+    _load(live_server, RunSpec(name="m", family="vla-7b", world_size=2, steps=2))
+    httpx.post(f"{live_server.url}/api/v1/ingest", content=b"x")  # a rejection (401)
+    m = httpx.get(f"{live_server.url}/metrics").text
+    assert 'fleetscope_ingest_records_total{kind="rank_steps"} 4.0' in m
+    assert "fleetscope_ingest_batch_seconds_bucket" in m
+    assert 'fleetscope_ingest_rejections_total{reason="auth"} 1.0' in m
+    assert "fleetscope_db_pool_checked_out" in m and "fleetscope_ingest_queue_depth" in m
+    assert 'fleetscope_runs{status="running"} 1.0' in m

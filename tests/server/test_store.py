@@ -1,0 +1,125 @@
+"""Store internals against real Postgres: migrations, COPY layouts, blocks, rollups."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from sqlalchemy import inspect, text
+
+from fleetscope.server.codec import (
+    COLL_BLOCK_FIELDS,
+    RAW_STEP_FLOATS,
+    RAW_STEP_LAYOUT,
+    STEP_BLOCK_FIELDS,
+    decode_block,
+    encode_block,
+)
+from fleetscope.server.compactor import Compactor, grouped_median
+from fleetscope.server.db import upgrade
+from fleetscope.server.runs import RunRegistration, register_run
+
+
+def test_migrations_from_empty_create_every_table_and_are_idempotent(db_url: str, engine: Any) -> None:
+    tables = set(inspect(engine).get_table_names())
+    for t in ("runs", "ranks", "rank_steps_raw", "collectives_raw", "steps", "run_collectives", "run_events",
+              "benchmark_series", "benchmark_points", "alerts", "api_tokens", "alembic_version"):
+        assert t in tables
+    upgrade(db_url)  # second time: no-op, no error
+    with engine.connect() as c:
+        assert c.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0001"
+    # run_id leads every key of per-run tables (Citus distribution column)
+    insp = inspect(engine)
+    for t in ("ranks", "steps", "run_collectives", "run_events", "run_modalities"):
+        assert insp.get_pk_constraint(t)["constrained_columns"][0] == "run_id"
+
+
+def test_block_roundtrip_keeps_values() -> None:
+    rng = np.random.default_rng(0)
+    n = 257
+    cols = {name: rng.random(n) * 10 for name, _ in STEP_BLOCK_FIELDS}
+    cols["rank"] = np.arange(n)
+    cols["flags"] = rng.integers(0, 2, n)
+    cols["mem_peak_bytes"] = rng.integers(0, 80 << 30, n).astype(np.float64)
+    cols["ts"] = 1.7e9 + rng.random(n)
+    cols["data_s"][5] = np.nan
+    blob = encode_block(STEP_BLOCK_FIELDS, cols)
+    back = decode_block(STEP_BLOCK_FIELDS, blob)
+    assert np.array_equal(back["rank"], cols["rank"])
+    assert np.array_equal(back["mem_peak_bytes"], cols["mem_peak_bytes"])  # exact bytes
+    assert np.array_equal(back["ts"], cols["ts"])  # float64 kept
+    np.testing.assert_allclose(back["step_s"], cols["step_s"], rtol=1e-7)  # float32
+    assert np.isnan(back["data_s"][5])
+    c = {name: rng.random(3) for name, _ in COLL_BLOCK_FIELDS}
+    assert len(decode_block(COLL_BLOCK_FIELDS, encode_block(COLL_BLOCK_FIELDS, c))["rank"]) == 3
+
+
+def test_grouped_median_matches_numpy_with_nans() -> None:
+    rng = np.random.default_rng(1)
+    gid = rng.integers(0, 50, 2000)
+    v = rng.random(2000)
+    v[rng.random(2000) < 0.1] = np.nan
+    got = grouped_median(v, gid, 50)
+    for g in range(50):
+        x = v[gid == g]
+        x = x[~np.isnan(x)]
+        assert got[g] == pytest.approx(np.median(x)) if x.size else np.isnan(got[g])
+
+
+def test_binary_copy_layout_roundtrips_through_postgres(engine: Any) -> None:
+    run = register_run(engine, RunRegistration(name="copy", world_size=4))
+    n = 10
+    vals: dict[str, Any] = {"run_id": run["id"], "step": np.arange(n) // 4, "rank": np.arange(n) % 4, "flags": 0}
+    for f in RAW_STEP_FLOATS:
+        vals[f] = np.linspace(0, 1, n)
+    vals["tokens"] = np.full(n, np.nan)
+    raw = engine.raw_connection()
+    try:
+        conn = raw.driver_connection
+        with conn.cursor() as cur:
+            with cur.copy(RAW_STEP_LAYOUT.copy_in_sql) as cp:
+                cp.write(RAW_STEP_LAYOUT.build(n, vals))
+            buf = bytearray()
+            with cur.copy(f"COPY (SELECT {', '.join(RAW_STEP_LAYOUT.names)} FROM rank_steps_raw ORDER BY step, rank) "
+                          "TO STDOUT (FORMAT BINARY)") as cp:
+                for chunk in cp:
+                    buf += chunk
+        conn.commit()
+    finally:
+        raw.close()
+    back = RAW_STEP_LAYOUT.parse(bytes(buf))
+    assert list(back["rank"]) == list(vals["rank"])
+    assert np.allclose(back["step_s"], vals["step_s"]) and np.isnan(back["tokens"]).all()
+
+
+def test_compactor_rollups_equal_numpy_over_the_raw_rows(engine: Any) -> None:
+    from fleetscope.client import columnar
+    from fleetscope.server.ingest import IngestService
+    from fleetscope.synthetic import RunSpec, collective_rows, rank_step_rows
+    from fleetscope.wire import COLLECTIVE_FIELDS, RANK_STEP_FIELDS
+
+    spec = RunSpec(name="roll", family="llm-70b", world_size=16, steps=5, seed=3, straggler={5: 1.4})
+    run = register_run(engine, RunRegistration(**{k: v for k, v in spec.run_info().items()}))
+    ing = IngestService(engine)
+    all_rows = []
+    for step, rows in rank_step_rows(spec):
+        all_rows += rows
+        ing.ingest({"run_id": run["id"], "rank_steps": columnar(rows, RANK_STEP_FIELDS),
+                    "collectives": columnar(collective_rows(spec, step, rows), COLLECTIVE_FIELDS)})
+    res = Compactor(engine).run_once(force=True)
+    assert res.steps == 5 and res.rank_steps == 80 and res.collectives == 320
+    names = [f.name for f in RANK_STEP_FIELDS]
+    arr = {n: np.array([r[i] for r in all_rows], dtype=float) for i, n in enumerate(names)}
+    with engine.connect() as c:
+        rows = c.execute(text("SELECT step, step_s, comm_exposed_s, work_s_max, slowest_rank, tokens, n_ranks "
+                              "FROM steps ORDER BY step")).fetchall()
+    for step, step_s, exposed, work_max, slowest, tokens, n_ranks in rows:
+        m = arr["step"] == step
+        assert n_ranks == 16
+        assert step_s == pytest.approx(np.median(arr["step_s"][m]), rel=1e-6)
+        assert exposed == pytest.approx(np.median(arr["comm_exposed_s"][m]), rel=1e-6)
+        work = arr["step_s"][m] - arr["comm_exposed_s"][m]
+        assert work_max == pytest.approx(work.max(), rel=1e-6)
+        assert slowest == 5  # the straggler does the most work
+        assert tokens == pytest.approx(arr["tokens"][m].sum())

@@ -103,9 +103,9 @@ class LiveServer:
 def start_server(db_url: str, **overrides: Any) -> LiveServer:
     """Start the real app with uvicorn in a thread on a free loopback port."""
     import uvicorn
-
     from fleetscope.server.app import create_app
     from fleetscope.server.auth import create_token
+
     from fleetscope.settings import Settings
 
     params: dict[str, Any] = {"database_url": db_url, "compact_interval_s": 0.2, "compact_grace_s": 1.0}

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import free_port
 
 FS = [sys.executable, "-m", "fleetscope.cli"]

@@ -6,8 +6,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sqlalchemy import inspect, text
-
 from fleetscope.server.codec import (
     COLL_BLOCK_FIELDS,
     RAW_STEP_FLOATS,
@@ -19,6 +17,7 @@ from fleetscope.server.codec import (
 from fleetscope.server.compactor import Compactor, grouped_median
 from fleetscope.server.db import upgrade
 from fleetscope.server.runs import RunRegistration, register_run
+from sqlalchemy import inspect, text
 
 
 def test_migrations_from_empty_create_every_table_and_are_idempotent(db_url: str, engine: Any) -> None:
@@ -94,8 +93,9 @@ def test_binary_copy_layout_roundtrips_through_postgres(engine: Any) -> None:
 
 
 def test_compactor_rollups_equal_numpy_over_the_raw_rows(engine: Any) -> None:
-    from fleetscope.client import columnar
     from fleetscope.server.ingest import IngestService
+
+    from fleetscope.client import columnar
     from fleetscope.synthetic import RunSpec, collective_rows, rank_step_rows
     from fleetscope.wire import COLLECTIVE_FIELDS, RANK_STEP_FIELDS
 

@@ -1,0 +1,1 @@
+"""Kineto / Chrome trace reduction (HTA parity)."""

@@ -1,0 +1,1 @@
+"""Analysis: bottlenecks, stragglers, scaling, regressions (metrics.md)."""

@@ -1,0 +1,17 @@
+"""House style is part of the test command: ruff over the packages."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ruff_finds_nothing() -> None:
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    out = subprocess.run([ruff, "check", "fleetscope", "agent", "server", "dashboard", "tests", "bench"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -139,6 +139,10 @@ class Compactor:
         self.engine = engine
         self.grace_s = grace_s
         self.on_pass = on_pass
+        #: extra rollups folded in the same transaction: fn(cur, *, S, C, gid, cgid, gkeys) where S/C are
+        #: the deduplicated rank-step/collective columns of the touched steps (S["is_old"] marks rows that
+        #: were already compacted), gid/cgid their group index into gkeys = run_id << 32 | step.
+        self.folds: list[Any] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -373,6 +377,8 @@ class Compactor:
                     for i, u in enumerate(uniq)
                 ],
             )
+        for fold in self.folds:
+            fold(cur, S=S, C=C, gid=gid, cgid=cgid, gkeys=gkeys)
         # per-run counters
         per_run: dict[int, list[int]] = {}
         for r in np.unique(run_ids):

@@ -20,6 +20,8 @@ __all__ = [
     "decode_block",
     "STEP_BLOCK_FIELDS",
     "COLL_BLOCK_FIELDS",
+    "FRAG_STEP_FIELDS",
+    "FRAG_COLL_FIELDS",
 ]
 
 _HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)
@@ -136,6 +138,10 @@ COLL_BLOCK_FIELDS: tuple[tuple[str, str], ...] = (
     ("exposed_s", "<f4"),
     ("start_ts", "<f8"),
 )
+
+#: landing fragments: the block fields plus the step (a batch spans steps)
+FRAG_STEP_FIELDS: tuple[tuple[str, str], ...] = (("step", "<i4"), *STEP_BLOCK_FIELDS)
+FRAG_COLL_FIELDS: tuple[tuple[str, str], ...] = (("step", "<i4"), *COLL_BLOCK_FIELDS)
 
 _BLOCK_VERSION = 1
 

@@ -1,10 +1,11 @@
-"""The compactor: folds landed raw rows into one ``steps`` row per (run, step) with rollups.
+"""The compactor: folds landed batch fragments into one ``steps`` row per (run, step) with rollups.
 
-A step is ready when all ``world_size`` ranks have reported, when its newest row is older than the
-grace period, when its run is no longer running, or when a block for it already exists (a late or
-retried record is merged). One transaction: the raw rows are deleted (``COPY (DELETE … RETURNING)``,
-parsed by numpy), deduplicated against each other and the existing block, encoded, and the step,
-per-run collective and counter rollups are upserted — a crash leaves the raw rows in place.
+A step is ready when all ``world_size`` ranks have reported, when its newest record is older than
+the grace period, when its run is no longer running, or when a block for it already exists (a late
+or retried record is merged). One transaction: fragments are read and decoded (numpy), ready
+steps are deduplicated against each other and the existing block, encoded, and the step, per-run
+collective and counter rollups are upserted; fragments are deleted, and what was not ready is
+rewritten as a new fragment keeping its arrival time — a crash leaves the fragments in place.
 Rollups are vectorised over all steps of a pass (sort-based grouped medians), so the cost per
 rank-step stays ~µs whatever the world size.
 """
@@ -22,8 +23,8 @@ from sqlalchemy import Engine
 
 from .codec import (
     COLL_BLOCK_FIELDS,
-    RAW_COLL_LAYOUT,
-    RAW_STEP_LAYOUT,
+    FRAG_COLL_FIELDS,
+    FRAG_STEP_FIELDS,
     STEP_BLOCK_FIELDS,
     decode_block,
     encode_block,
@@ -35,27 +36,8 @@ __all__ = ["Compactor", "CompactionResult", "grouped_median", "bits_of"]
 log = logging.getLogger(__name__)
 _LOCK_KEY = 727275
 
-_READY_SQL = """
-CREATE TEMP TABLE _ready ON COMMIT DROP AS
-SELECT g.run_id, g.step FROM (
-    SELECT run_id, step, count(DISTINCT rank) AS n, max(received_at) AS last FROM rank_steps_raw GROUP BY run_id, step
-) g JOIN runs ON runs.id = g.run_id
-WHERE %(force)s OR g.n >= runs.world_size OR g.last < now() - make_interval(secs => %(grace)s)
-   OR runs.status <> 'running'
-   OR EXISTS (SELECT 1 FROM steps s WHERE s.run_id = g.run_id AND s.step = g.step)
-UNION
-SELECT g.run_id, g.step FROM (
-    SELECT run_id, step, max(received_at) AS last FROM collectives_raw GROUP BY run_id, step
-) g JOIN runs ON runs.id = g.run_id
-WHERE %(force)s OR g.last < now() - make_interval(secs => %(grace)s) OR runs.status <> 'running'
-   OR EXISTS (SELECT 1 FROM steps s WHERE s.run_id = g.run_id AND s.step = g.step)
-UNION
-SELECT g.run_id, g.step FROM (
-    SELECT run_id, step, max(received_at) AS last FROM modality_raw GROUP BY run_id, step
-) g JOIN runs ON runs.id = g.run_id
-WHERE %(force)s OR g.last < now() - make_interval(secs => %(grace)s) OR runs.status <> 'running'
-   OR EXISTS (SELECT 1 FROM steps s WHERE s.run_id = g.run_id AND s.step = g.step)
-"""
+_MAX_FRAGMENTS = 5000
+_MAX_RECORDS = 600_000  # rank-steps + collectives decoded per pass (bounds memory)
 
 _STEP_COLS = (
     "run_id, step, n_ranks, ts, step_s, data_s, compute_s, comm_exposed_s, other_s, comm_total_s, forward_s, "
@@ -79,6 +61,7 @@ _MAX_COLS = ("mem_peak_bytes", "mem_reserved_bytes")
 
 @dataclass
 class CompactionResult:
+    more: bool = False
     steps: int = 0
     rank_steps: int = 0
     collectives: int = 0
@@ -164,7 +147,7 @@ class Compactor:
                     res = self.run_once()
                     if self.on_pass is not None:
                         self.on_pass(res)
-                    if res.rank_steps + res.collectives < 200_000 or self._stop.is_set():
+                    if not res.more or self._stop.is_set():
                         break
             except Exception:  # noqa: BLE001 - keep compacting; the raw rows stay until a pass succeeds
                 self.errors += 1
@@ -184,46 +167,110 @@ class Compactor:
             got = cur.execute("SELECT pg_try_advisory_xact_lock(%s)", (_LOCK_KEY,)).fetchone()
             if not got or not got[0]:
                 return res
-            cur.execute(_READY_SQL, {"force": force, "grace": float(self.grace_s)})
-            if cur.execute("SELECT count(*) FROM _ready").fetchone()[0] == 0:  # type: ignore[index]
-                res.backlog_rows = self._backlog(cur)
-                return res
-            steps_raw = self._take(cur, RAW_STEP_LAYOUT, "rank_steps_raw")
-            colls_raw = self._take(cur, RAW_COLL_LAYOUT, "collectives_raw")
-            mods = cur.execute(
-                "DELETE FROM modality_raw t USING _ready r WHERE t.run_id = r.run_id AND t.step = r.step "
-                "RETURNING t.run_id, t.step, t.rank, t.modality, t.tokens"
+            frags = cur.execute(
+                "SELECT id, run_id, extract(epoch FROM now() - received_at)::float8, received_at, "
+                "n_rank_steps + n_collectives, rank_steps, collectives FROM ingest_fragments ORDER BY id LIMIT %s",
+                (_MAX_FRAGMENTS,),
             ).fetchall()
-            existing = cur.execute(
-                "SELECT s.run_id, s.step, s.block, s.coll_block FROM steps s JOIN _ready r "
-                "ON s.run_id = r.run_id AND s.step = r.step"
-            ).fetchall()
-            self._fold(cur, steps_raw, colls_raw, existing, res)
-            if mods:
-                self._fold_modalities(cur, mods)
-            res.backlog_rows = self._backlog(cur)
+            taken, total = [], 0
+            for f in frags:
+                if taken and total + f[4] > _MAX_RECORDS:
+                    res.more = True
+                    break
+                taken.append(f)
+                total += f[4]
+            if len(frags) == _MAX_FRAGMENTS:
+                res.more = True
+            ready_keys = self._compact_fragments(cur, taken, force, res) if taken else np.empty(0, dtype=np.int64)
+            self._compact_modalities(cur, ready_keys, force)
+            res.backlog_rows = int(
+                cur.execute("SELECT coalesce(sum(n_rank_steps), 0) FROM ingest_fragments").fetchone()[0]  # type: ignore[index]
+            )
         return res
 
-    @staticmethod
-    def _backlog(cur: Any) -> int:
-        row = cur.execute("SELECT count(*) FROM (SELECT 1 FROM rank_steps_raw LIMIT 10000000) t").fetchone()
-        return int(row[0])
+    def _compact_fragments(self, cur: Any, frags: list, force: bool, res: CompactionResult) -> np.ndarray:
+        """Fold the ready steps of ``frags``; rewrite the rest. Returns the folded group keys."""
+        S = _decode_frags(frags, 5, FRAG_STEP_FIELDS)
+        C = _decode_frags(frags, 6, FRAG_COLL_FIELDS)
+        run_ids = np.unique(np.array([f[1] for f in frags]))
+        info = {
+            r: (ws, st)
+            for r, ws, st in cur.execute(
+                "SELECT id, world_size, status FROM runs WHERE id = ANY(%s)", (run_ids.tolist(),)
+            ).fetchall()
+        }
+        ks = S["run_id"] * (1 << 32) + S["step"]
+        kc = C["run_id"] * (1 << 32) + C["step"]
+        gkeys = np.union1d(ks, kc)
+        if len(gkeys) == 0:
+            cur.execute("DELETE FROM ingest_fragments WHERE id = ANY(%s)", ([f[0] for f in frags],))
+            return gkeys
+        g_s = np.searchsorted(gkeys, ks)
+        g_c = np.searchsorted(gkeys, kc)
+        existing = cur.execute(
+            "SELECT s.run_id, s.step, s.block, s.coll_block FROM steps s JOIN unnest(%s::int[], %s::int[]) "
+            "AS k(run_id, step) ON s.run_id = k.run_id AND s.step = k.step",
+            ((gkeys >> 32).tolist(), (gkeys & 0xFFFFFFFF).tolist()),
+        ).fetchall()
+        n = len(gkeys)
+        ready = np.zeros(n, dtype=bool)
+        if force:
+            ready[:] = True
+        g_run = gkeys >> 32
+        for r, (_ws, status) in info.items():
+            if status != "running":
+                ready |= g_run == r
+        if existing:
+            ekeys = np.array([e[0] * (1 << 32) + e[1] for e in existing], dtype=np.int64)
+            ready[np.searchsorted(gkeys, ekeys)] = True
+        # all ranks present (distinct ranks among the new rows)
+        if len(ks):
+            uniq = np.unique(g_s * (1 << 32) + S["rank"])
+            have = np.bincount(uniq >> 32, minlength=n)
+            ws_of = np.array([info.get(int(r), (1 << 30, ""))[0] for r in g_run])
+            ready |= have >= ws_of
+        # the newest record of the step is older than the grace period
+        young = np.full(n, np.inf)
+        np.minimum.at(young, g_s, S["age"])
+        np.minimum.at(young, g_c, C["age"])
+        ready |= young >= self.grace_s
+        if ready.any():
+            rs_mask, rc_mask = ready[g_s], ready[g_c]
+            self._fold(cur, {k: v[rs_mask] for k, v in S.items()}, {k: v[rc_mask] for k, v in C.items()}, existing, res)
+        # rewrite what is not ready as new fragments (same arrival time), drop the consumed ones
+        left_s, left_c = ~ready[g_s], ~ready[g_c]
+        rows = []
+        for i in np.union1d(S["frag"][left_s], C["frag"][left_c]).astype(np.int64):
+            ms, mc = left_s & (S["frag"] == i), left_c & (C["frag"] == i)
+            f = frags[int(i)]
+            steps = np.concatenate([S["step"][ms], C["step"][mc]])
+            rows.append((
+                f[1], f[3], int(ms.sum()), int(mc.sum()), int(steps.min()), int(steps.max()),
+                encode_block(FRAG_STEP_FIELDS, {k: S[k][ms] for k, _ in FRAG_STEP_FIELDS}) if ms.any() else None,
+                encode_block(FRAG_COLL_FIELDS, {k: C[k][mc] for k, _ in FRAG_COLL_FIELDS}) if mc.any() else None,
+            ))  # fmt: skip
+        cur.execute("DELETE FROM ingest_fragments WHERE id = ANY(%s)", ([f[0] for f in frags],))
+        if rows:
+            cur.executemany(
+                "INSERT INTO ingest_fragments (run_id, received_at, n_rank_steps, n_collectives, step_min, step_max, "
+                "rank_steps, collectives) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                rows,
+            )
+        return gkeys[ready]
 
-    @staticmethod
-    def _take(cur: Any, layout: Any, table: str) -> np.ndarray:
-        cols = ", ".join(f"t.{c}" for c in layout.names)
-        sql = (
-            f"COPY (DELETE FROM {table} t USING _ready r WHERE t.run_id = r.run_id AND t.step = r.step "
-            f"RETURNING {cols}) TO STDOUT (FORMAT BINARY)"
-        )
-        buf = bytearray()
-        with cur.copy(sql) as cp:
-            for chunk in cp:
-                buf += chunk
-        return layout.parse(bytes(buf))
+    def _compact_modalities(self, cur: Any, ready_keys: np.ndarray, force: bool) -> None:
+        mods = cur.execute(
+            "DELETE FROM modality_raw t WHERE %s OR t.received_at < now() - make_interval(secs => %s) "
+            "OR (t.run_id, t.step) IN (SELECT * FROM unnest(%s::int[], %s::int[])) "
+            "RETURNING t.run_id, t.step, t.rank, t.modality, t.tokens",
+            (force, float(self.grace_s), (ready_keys >> 32).tolist(), (ready_keys & 0xFFFFFFFF).tolist()),
+        ).fetchall()
+        if mods:
+            self._fold_modalities(cur, mods)
 
-    def _fold(self, cur: Any, raw: np.ndarray, craw: np.ndarray, existing: list, res: CompactionResult) -> None:
-        # --- rank-step rows: existing blocks first (they win over re-sent copies), then the new rows
+    def _fold(self, cur: Any, new_s: dict[str, np.ndarray], new_c: dict[str, np.ndarray], existing: list,
+              res: CompactionResult) -> None:
+        # --- existing blocks first (they win over re-sent copies), then the new rows
         names = [n for n, _ in STEP_BLOCK_FIELDS]
         cols: dict[str, list[np.ndarray]] = {n: [] for n in ("run_id", "step", "is_old", *names)}
         ccols: dict[str, list[np.ndarray]] = {n: [] for n in ("run_id", "step", "is_old", *(n for n, _ in COLL_BLOCK_FIELDS))}
@@ -243,18 +290,13 @@ class Compactor:
                 ccols["is_old"].append(np.ones(k, dtype=bool))
                 for n, _ in COLL_BLOCK_FIELDS:
                     ccols[n].append(c[n])
-        k = len(raw)
-        cols["run_id"].append(raw["run_id"].astype(np.int64))
-        cols["step"].append(raw["step"].astype(np.int64))
-        cols["is_old"].append(np.zeros(k, dtype=bool))
-        for n in names:
-            cols[n].append(raw[n].astype(np.int64 if n in ("rank", "flags") else np.float64))
-        k = len(craw)
-        ccols["run_id"].append(craw["run_id"].astype(np.int64))
-        ccols["step"].append(craw["step"].astype(np.int64))
-        ccols["is_old"].append(np.zeros(k, dtype=bool))
-        for n, _ in COLL_BLOCK_FIELDS:
-            ccols[n].append(craw[n].astype(np.float64 if n in ("bytes", "total_s", "exposed_s", "start_ts") else np.int64))
+        for src, dst, fields in ((new_s, cols, STEP_BLOCK_FIELDS), (new_c, ccols, COLL_BLOCK_FIELDS)):
+            k = len(src["run_id"])
+            dst["run_id"].append(src["run_id"])
+            dst["step"].append(src["step"])
+            dst["is_old"].append(np.zeros(k, dtype=bool))
+            for n, _ in fields:
+                dst[n].append(src[n])
         S = {n: np.concatenate(v) for n, v in cols.items()}
         C = {n: np.concatenate(v) for n, v in ccols.items()}
 
@@ -354,9 +396,13 @@ class Compactor:
             calls = np.maximum(C["calls"][newc], 1)
             per_call = C["bytes"][newc] / calls
             bucket = np.floor(np.log2(np.maximum(per_call, 1))).astype(np.int64)
-            ckey = np.stack([C["run_id"][newc], C["op"][newc], C["group_size"][newc], bucket], axis=1)
-            uniq, inv = np.unique(ckey, axis=0, return_inverse=True)
-            inv = inv.reshape(-1)
+            keys = (C["run_id"][newc], C["op"][newc], C["group_size"][newc], bucket)
+            order = np.lexsort(keys[::-1])
+            sk = np.stack([k[order] for k in keys], axis=1)
+            first = np.r_[True, np.any(sk[1:] != sk[:-1], axis=1)]
+            uniq = sk[first]
+            inv = np.empty(len(order), dtype=np.int64)
+            inv[order] = np.cumsum(first) - 1
             m = len(uniq)
             agg = [
                 np.bincount(inv, minlength=m),
@@ -422,6 +468,28 @@ class Compactor:
             "ranks = excluded.ranks",
             rows,
         )
+
+
+def _decode_frags(frags: list, col: int, fields: tuple[tuple[str, str], ...]) -> dict[str, np.ndarray]:
+    """Concatenate one block column of many fragments, with run_id, fragment index and age."""
+    parts: dict[str, list[np.ndarray]] = {n: [] for n in ("run_id", "frag", "age", *(n for n, _ in fields))}
+    for i, f in enumerate(frags):
+        if f[col] is None:
+            continue
+        d = decode_block(fields, f[col])
+        k = len(d["step"])
+        parts["run_id"].append(np.full(k, f[1], dtype=np.int64))
+        parts["frag"].append(np.full(k, i, dtype=np.int64))
+        parts["age"].append(np.full(k, f[2], dtype=np.float64))
+        for n, _ in fields:
+            parts[n].append(d[n])
+    out = {}
+    for n, v in parts.items():
+        out[n] = np.concatenate(v) if v else np.empty(0, dtype=np.float64 if n == "age" else np.int64)
+    for n, dt in fields:
+        if not parts[n]:
+            out[n] = np.empty(0, dtype=np.float64 if dt[1] == "f" else np.int64)
+    return out
 
 
 def _f(x: float) -> float | None:

@@ -1,9 +1,11 @@
 """Ingest: decode a batch, validate it, and land it in Postgres by binary COPY in one transaction.
 
-Idempotency: the raw tables are append-only landing zones without indexes (plain COPY is the
-fastest path, measurements.md); duplicates (retries, overlaps, concurrent senders) are removed by
-the compactor, which keys rank-steps on (run, step, rank) and collectives on (run, step, rank, seq),
-and every read of not-yet-compacted rows deduplicates the same way. A batch is all-or-nothing.
+A batch lands as ONE row of ``ingest_fragments`` holding its records as compressed columnar
+blocks (numpy already holds them column-wise after validation), so the database does one small
+insert per batch instead of one row per record. Idempotency: duplicates (retries, overlaps,
+concurrent senders) are removed by the compactor, which keys rank-steps on (run, step, rank) and
+collectives on (run, step, rank, seq); every read of not-yet-compacted data deduplicates the same
+way. A batch is all-or-nothing (one transaction).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from sqlalchemy import Engine
 
 from fleetscope.wire import MSGPACK_CONTENT_TYPE
 
-from .codec import RAW_COLL_LAYOUT, RAW_STEP_FLOATS, RAW_STEP_LAYOUT
+from .codec import FRAG_COLL_FIELDS, FRAG_STEP_FIELDS, encode_block
 from .db import raw_connection
 from .validate import BatchError, ValidBatch, validate_batch
 
@@ -164,27 +166,14 @@ class IngestService:
 
     def _write(self, b: ValidBatch) -> None:
         t0 = time.perf_counter()
+        frag = encode_fragment(b)
         with raw_connection(self.engine) as conn, conn.cursor() as cur:
-            if b.rank_steps:
-                rs = b.rank_steps
-                n = len(rs["rank"])
-                nan = np.full(n, np.nan)
-                vals: dict[str, Any] = {"run_id": b.run_id, "step": rs["step"], "rank": rs["rank"]}
-                vals["flags"] = np.nan_to_num(rs["flags"]) if "flags" in rs else 0
-                for f in RAW_STEP_FLOATS:
-                    vals[f] = rs.get(f, nan)
-                with cur.copy(RAW_STEP_LAYOUT.copy_in_sql) as cp:
-                    cp.write(RAW_STEP_LAYOUT.build(n, vals))
-            if b.collectives:
-                cs = b.collectives
-                n = len(cs["rank"])
-                nan = np.full(n, np.nan)
-                vals = {k: cs[k] for k in ("step", "rank", "seq", "op", "group_size", "bytes", "calls", "total_s")}
-                vals["run_id"] = b.run_id
-                vals["exposed_s"] = cs.get("exposed_s", nan)
-                vals["start_ts"] = cs.get("start_ts", nan)
-                with cur.copy(RAW_COLL_LAYOUT.copy_in_sql) as cp:
-                    cp.write(RAW_COLL_LAYOUT.build(n, vals))
+            if frag is not None:
+                cur.execute(
+                    "INSERT INTO ingest_fragments (run_id, n_rank_steps, n_collectives, step_min, step_max, "
+                    "rank_steps, collectives) VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                    (b.run_id, *frag),
+                )
             if b.modality_tokens:
                 ms = b.modality_tokens
                 with cur.copy("COPY modality_raw (run_id, step, rank, modality, tokens) FROM STDIN") as cp:
@@ -208,3 +197,28 @@ class IngestService:
                     [{**e, "run_id": b.run_id, "data": json.dumps(e["data"])} for e in b.events],
                 )
         log.debug("wrote batch run=%s records=%d in %.1f ms", b.run_id, b.n_records, (time.perf_counter() - t0) * 1e3)
+
+
+def encode_fragment(b: ValidBatch) -> tuple[int, int, int, int, bytes | None, bytes | None] | None:
+    """A batch's rank-steps and collectives as compressed columnar blocks (one landing row)."""
+    rs, cs = b.rank_steps, b.collectives
+    if not rs and not cs:
+        return None
+    steps_all = []
+    rs_blob = cs_blob = None
+    n_rs = n_cs = 0
+    if rs:
+        n_rs = len(rs["rank"])
+        nan = np.full(n_rs, np.nan)
+        cols = {name: rs.get(name, nan) for name, _ in FRAG_STEP_FIELDS}
+        cols["flags"] = np.nan_to_num(rs["flags"]) if "flags" in rs else np.zeros(n_rs)
+        rs_blob = encode_block(FRAG_STEP_FIELDS, cols)
+        steps_all.append(rs["step"])
+    if cs:
+        n_cs = len(cs["rank"])
+        nan = np.full(n_cs, np.nan)
+        cols = {name: cs.get(name, nan) for name, _ in FRAG_COLL_FIELDS}
+        cs_blob = encode_block(FRAG_COLL_FIELDS, cols)
+        steps_all.append(cs["step"])
+    st = np.concatenate(steps_all)
+    return n_rs, n_cs, int(st.min()), int(st.max()), rs_blob, cs_blob

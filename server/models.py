@@ -1,8 +1,8 @@
 """SQLAlchemy 2 typed models of the store. Alembic (migrations/) owns the schema; these mirror it.
 
-Layout (docs/architecture.md): rank-step and collective records land in narrow append-only *raw*
-tables by binary COPY; the compactor folds each complete step into one ``steps`` row holding the
-cross-rank rollup columns plus a compressed columnar block of every rank's record. ``run_id`` leads
+Layout (docs/architecture.md): each accepted batch lands as one ``ingest_fragments`` row holding its
+records as compressed columnar blocks; the compactor folds each complete step into one ``steps``
+row holding the cross-rank rollup columns plus a compressed columnar block of every rank's record. ``run_id`` leads
 every key so the schema distributes on Citus by run_id unchanged.
 """
 
@@ -33,8 +33,7 @@ __all__ = [
     "Base",
     "Run",
     "Rank",
-    "RankStepRaw",
-    "CollectiveRaw",
+    "IngestFragment",
     "ModalityRaw",
     "Step",
     "RunCollective",
@@ -100,51 +99,22 @@ class Rank(Base):
     device: Mapped[str | None] = mapped_column(String(128))
 
 
-class RankStepRaw(Base):
-    """Landing table (no index: plain COPY). NaN means "not measured". Deduplicated at compaction."""
+class IngestFragment(Base):
+    """Landing zone: one row per accepted batch, its records as compressed columnar blocks.
 
-    __tablename__ = "rank_steps_raw"
-    __mapper_args__ = {"primary_key": ["run_id", "step", "rank"]}
+    Ingest writes one small row per batch (no per-record rows); the compactor decodes fragments,
+    folds complete steps into ``steps`` and rewrites what is left. Duplicates are removed there."""
+
+    __tablename__ = "ingest_fragments"
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
     run_id: Mapped[int] = mapped_column(Integer)
-    step: Mapped[int] = mapped_column(Integer)
-    rank: Mapped[int] = mapped_column(Integer)
-    flags: Mapped[int] = mapped_column(Integer)
-    ts: Mapped[float] = mapped_column(Double)
-    step_s: Mapped[float] = mapped_column(Double)
-    data_s: Mapped[float] = mapped_column(Double)
-    compute_s: Mapped[float] = mapped_column(Double)
-    forward_s: Mapped[float] = mapped_column(Double)
-    backward_s: Mapped[float] = mapped_column(Double)
-    optimizer_s: Mapped[float] = mapped_column(Double)
-    comm_exposed_s: Mapped[float] = mapped_column(Double)
-    comm_total_s: Mapped[float] = mapped_column(Double)
-    other_s: Mapped[float] = mapped_column(Double)
-    tokens: Mapped[float] = mapped_column(Double)
-    padded_tokens: Mapped[float] = mapped_column(Double)
-    samples: Mapped[float] = mapped_column(Double)
-    flops: Mapped[float] = mapped_column(Double)
-    mem_allocated_bytes: Mapped[float] = mapped_column(Double)
-    mem_reserved_bytes: Mapped[float] = mapped_column(Double)
-    mem_peak_bytes: Mapped[float] = mapped_column(Double)
-    alloc_retries: Mapped[float] = mapped_column(Double)
     received_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
-
-
-class CollectiveRaw(Base):
-    __tablename__ = "collectives_raw"
-    __mapper_args__ = {"primary_key": ["run_id", "step", "rank", "seq"]}
-    run_id: Mapped[int] = mapped_column(Integer)
-    step: Mapped[int] = mapped_column(Integer)
-    rank: Mapped[int] = mapped_column(Integer)
-    seq: Mapped[int] = mapped_column(Integer)
-    op: Mapped[int] = mapped_column(SmallInteger)
-    group_size: Mapped[int] = mapped_column(Integer)
-    bytes: Mapped[int] = mapped_column(BigInteger)
-    calls: Mapped[int] = mapped_column(Integer)
-    total_s: Mapped[float] = mapped_column(Double)
-    exposed_s: Mapped[float] = mapped_column(Double)
-    start_ts: Mapped[float] = mapped_column(Double)
-    received_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
+    n_rank_steps: Mapped[int] = mapped_column(Integer)
+    n_collectives: Mapped[int] = mapped_column(Integer)
+    step_min: Mapped[int] = mapped_column(Integer)
+    step_max: Mapped[int] = mapped_column(Integer)
+    rank_steps: Mapped[bytes | None] = mapped_column(LargeBinary)
+    collectives: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 class ModalityRaw(Base):

@@ -15,7 +15,7 @@ from sqlalchemy import Engine, text
 
 from fleetscope.wire import COLLECTIVE_OPS, busbw_factor
 
-from .codec import STEP_BLOCK_FIELDS, decode_block
+from .codec import FRAG_COLL_FIELDS, FRAG_STEP_FIELDS, STEP_BLOCK_FIELDS, decode_block
 
 __all__ = ["list_runs", "get_run", "run_summary", "run_steps", "run_collectives", "rank_step_matrix"]
 
@@ -35,41 +35,48 @@ def _run_dict(row: Any) -> dict[str, Any]:
 
 
 def _raw_counts(c: Any, run_ids: list[int]) -> dict[int, tuple[int, int]]:
-    """(rank_steps, collectives) landed but not compacted, excluding copies already in a block.
-
-    A collective of a step whose block already holds that rank's collectives is taken as a copy
-    (a retry); a genuinely late one is counted once the compactor (≤ 1 s) merges it."""
+    """(rank_steps, collectives) landed but not compacted yet, deduplicated, excluding copies already
+    in a step block. A collective of a step whose block already holds that rank's collectives is
+    taken as a copy (a retry); a genuinely late one is counted once the compactor (≤ 1 s) merges it."""
+    out: dict[int, tuple[int, int]] = {}
     if not run_ids:
-        return {}
-    out: dict[int, list[int]] = {r: [0, 0] for r in run_ids}
-    for rid, n in c.execute(
-        text(
-            """
-            SELECT t.run_id, count(*) FROM (SELECT DISTINCT run_id, step, rank FROM rank_steps_raw
-                                           WHERE run_id = ANY(:ids)) t
-            WHERE NOT EXISTS (SELECT 1 FROM steps s WHERE s.run_id = t.run_id AND s.step = t.step
-                              AND length(s.ranks) > t.rank AND substring(s.ranks FROM t.rank + 1 FOR 1) = B'1')
-            GROUP BY t.run_id
-            """
-        ),
-        {"ids": run_ids},
-    ):
-        out[rid][0] = n
-    for rid, n in c.execute(
-        text(
-            """
-            SELECT t.run_id, count(*) FROM (SELECT DISTINCT run_id, step, rank, seq FROM collectives_raw
-                                           WHERE run_id = ANY(:ids)) t
-            WHERE NOT EXISTS (SELECT 1 FROM steps s WHERE s.run_id = t.run_id AND s.step = t.step
-                              AND s.coll_records > 0 AND length(s.ranks) > t.rank
-                              AND substring(s.ranks FROM t.rank + 1 FOR 1) = B'1')
-            GROUP BY t.run_id
-            """
-        ),
-        {"ids": run_ids},
-    ):
-        out[rid][1] = n
-    return {k: (v[0], v[1]) for k, v in out.items()}
+        return out
+    frags = c.execute(
+        text("SELECT run_id, rank_steps, collectives FROM ingest_fragments WHERE run_id = ANY(:ids)"), {"ids": run_ids}
+    ).fetchall()
+    by_run: dict[int, list[Any]] = {}
+    for f in frags:
+        by_run.setdefault(f[0], []).append(f)
+    for run_id, fs in by_run.items():
+        s_keys, c_keys = [], []
+        for _, rs, cs in fs:
+            if rs is not None:
+                d = decode_block(FRAG_STEP_FIELDS, rs)
+                s_keys.append(d["step"] * (1 << 24) + d["rank"])
+            if cs is not None:
+                d = decode_block(FRAG_COLL_FIELDS, cs)
+                c_keys.append(np.stack([d["step"], d["rank"], d["seq"]], axis=1))
+        sk = np.unique(np.concatenate(s_keys)) if s_keys else np.empty(0, dtype=np.int64)
+        ck = np.unique(np.concatenate(c_keys), axis=0) if c_keys else np.empty((0, 3), dtype=np.int64)
+        steps = np.union1d(sk >> 24, ck[:, 0])
+        present: dict[int, tuple[str, int]] = {}
+        if len(steps):
+            for step, bits, n_coll in c.execute(
+                text("SELECT step, ranks::text, coll_records FROM steps WHERE run_id = :r AND step = ANY(:s)"),
+                {"r": run_id, "s": steps.tolist()},
+            ):
+                present[step] = (bits, n_coll)
+
+        def _in_block(step: int, rank: int, need_coll: bool, present: dict[int, tuple[str, int]] = present) -> bool:
+            p = present.get(step)
+            if p is None or (need_coll and p[1] == 0):
+                return False
+            return rank < len(p[0]) and p[0][rank] == "1"
+
+        n_s = sum(1 for k in sk.tolist() if not _in_block(k >> 24, k & 0xFFFFFF, False))
+        n_c = sum(1 for st, rk, _ in ck.tolist() if not _in_block(st, rk, True))
+        out[run_id] = (n_s, n_c)
+    return out
 
 
 def list_runs(

@@ -1,10 +1,10 @@
 """initial schema
 
-Raw landing tables have no index on purpose (plain binary COPY); the compactor deduplicates.
+Batches land in ingest_fragments (one row per batch); the compactor folds them into steps.
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-12-03 05:29:16.639691
+Create Date: 2026-12-03 05:42:44.260583
 """
 from alembic import op
 import sqlalchemy as sa
@@ -61,19 +61,17 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('id', name=op.f('pk_benchmark_series')),
     sa.UniqueConstraint('name', 'cluster', 'params_key', name=op.f('uq_benchmark_series_name_cluster_params_key'))
     )
-    op.create_table('collectives_raw',
+    op.create_table('ingest_fragments',
+    sa.Column('id', sa.BigInteger(), autoincrement=True, nullable=False),
     sa.Column('run_id', sa.Integer(), nullable=False),
-    sa.Column('step', sa.Integer(), nullable=False),
-    sa.Column('rank', sa.Integer(), nullable=False),
-    sa.Column('seq', sa.Integer(), nullable=False),
-    sa.Column('op', sa.SmallInteger(), nullable=False),
-    sa.Column('group_size', sa.Integer(), nullable=False),
-    sa.Column('bytes', sa.BigInteger(), nullable=False),
-    sa.Column('calls', sa.Integer(), nullable=False),
-    sa.Column('total_s', sa.Double(), nullable=False),
-    sa.Column('exposed_s', sa.Double(), nullable=False),
-    sa.Column('start_ts', sa.Double(), nullable=False),
-    sa.Column('received_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False)
+    sa.Column('received_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
+    sa.Column('n_rank_steps', sa.Integer(), nullable=False),
+    sa.Column('n_collectives', sa.Integer(), nullable=False),
+    sa.Column('step_min', sa.Integer(), nullable=False),
+    sa.Column('step_max', sa.Integer(), nullable=False),
+    sa.Column('rank_steps', sa.LargeBinary(), nullable=True),
+    sa.Column('collectives', sa.LargeBinary(), nullable=True),
+    sa.PrimaryKeyConstraint('id', name=op.f('pk_ingest_fragments'))
     )
     op.create_table('modality_raw',
     sa.Column('run_id', sa.Integer(), nullable=False),
@@ -81,31 +79,6 @@ def upgrade() -> None:
     sa.Column('rank', sa.Integer(), nullable=False),
     sa.Column('modality', sa.String(length=64), nullable=False),
     sa.Column('tokens', sa.BigInteger(), nullable=False),
-    sa.Column('received_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False)
-    )
-    op.create_table('rank_steps_raw',
-    sa.Column('run_id', sa.Integer(), nullable=False),
-    sa.Column('step', sa.Integer(), nullable=False),
-    sa.Column('rank', sa.Integer(), nullable=False),
-    sa.Column('flags', sa.Integer(), nullable=False),
-    sa.Column('ts', sa.Double(), nullable=False),
-    sa.Column('step_s', sa.Double(), nullable=False),
-    sa.Column('data_s', sa.Double(), nullable=False),
-    sa.Column('compute_s', sa.Double(), nullable=False),
-    sa.Column('forward_s', sa.Double(), nullable=False),
-    sa.Column('backward_s', sa.Double(), nullable=False),
-    sa.Column('optimizer_s', sa.Double(), nullable=False),
-    sa.Column('comm_exposed_s', sa.Double(), nullable=False),
-    sa.Column('comm_total_s', sa.Double(), nullable=False),
-    sa.Column('other_s', sa.Double(), nullable=False),
-    sa.Column('tokens', sa.Double(), nullable=False),
-    sa.Column('padded_tokens', sa.Double(), nullable=False),
-    sa.Column('samples', sa.Double(), nullable=False),
-    sa.Column('flops', sa.Double(), nullable=False),
-    sa.Column('mem_allocated_bytes', sa.Double(), nullable=False),
-    sa.Column('mem_reserved_bytes', sa.Double(), nullable=False),
-    sa.Column('mem_peak_bytes', sa.Double(), nullable=False),
-    sa.Column('alloc_retries', sa.Double(), nullable=False),
     sa.Column('received_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False)
     )
     op.create_table('run_collectives',
@@ -163,6 +136,7 @@ def upgrade() -> None:
     sa.UniqueConstraint('name', name=op.f('uq_runs_name'))
     )
     op.create_index(op.f('ix_runs_model_family'), 'runs', ['model_family'], unique=False)
+    op.create_index('ix_runs_started_at', 'runs', ['started_at'], unique=False)
     op.create_table('steps',
     sa.Column('run_id', sa.Integer(), nullable=False),
     sa.Column('step', sa.Integer(), nullable=False),
@@ -222,14 +196,15 @@ def upgrade() -> None:
     sa.ForeignKeyConstraint(['run_id'], ['runs.id'], name=op.f('fk_trace_summaries_run_id_runs'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('run_id', 'rank', 'source', name=op.f('pk_trace_summaries'))
     )
-    op.create_index('ix_runs_started_at', 'runs', ['started_at'], unique=False)
-    # blocks are compressed by the compactor already: store out of line without pglz
-    op.execute("ALTER TABLE steps ALTER COLUMN block SET STORAGE EXTERNAL")
-    op.execute("ALTER TABLE steps ALTER COLUMN coll_block SET STORAGE EXTERNAL")
+    # blocks are compressed by the server already: store them out of line without pglz
+    for col in ("block", "coll_block"):
+        op.execute(f"ALTER TABLE steps ALTER COLUMN {col} SET STORAGE EXTERNAL")
+    for col in ("rank_steps", "collectives"):
+        op.execute(f"ALTER TABLE ingest_fragments ALTER COLUMN {col} SET STORAGE EXTERNAL")
     # landing tables behave like queues: vacuum them often
-    for t in ("rank_steps_raw", "collectives_raw", "modality_raw"):
-        op.execute(f"ALTER TABLE {t} SET (autovacuum_vacuum_scale_factor = 0.0, autovacuum_vacuum_threshold = 50000, "
-                   "autovacuum_vacuum_insert_scale_factor = 0.0, autovacuum_vacuum_insert_threshold = 100000)")
+    for t in ("ingest_fragments", "modality_raw"):
+        op.execute(f"ALTER TABLE {t} SET (autovacuum_vacuum_scale_factor = 0.0, autovacuum_vacuum_threshold = 1000, "
+                   "autovacuum_vacuum_insert_scale_factor = 0.0, autovacuum_vacuum_insert_threshold = 10000)")
     # ### end Alembic commands ###
 
 
@@ -239,14 +214,14 @@ def downgrade() -> None:
     op.drop_table('ranks')
     op.drop_table('benchmark_points')
     op.drop_table('steps')
+    op.drop_index('ix_runs_started_at', table_name='runs')
     op.drop_index(op.f('ix_runs_model_family'), table_name='runs')
     op.drop_table('runs')
     op.drop_table('run_modalities')
     op.drop_table('run_events')
     op.drop_table('run_collectives')
-    op.drop_table('rank_steps_raw')
     op.drop_table('modality_raw')
-    op.drop_table('collectives_raw')
+    op.drop_table('ingest_fragments')
     op.drop_table('benchmark_series')
     op.drop_table('api_tokens')
     op.drop_index('ix_alerts_state', table_name='alerts')

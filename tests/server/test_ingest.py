@@ -34,7 +34,7 @@ def _counts(engine: Any) -> dict[str, int]:
     with engine.connect() as c:
         return {
             t: c.execute(text(f"SELECT count(*) FROM {t}")).scalar_one()
-            for t in ("rank_steps_raw", "collectives_raw", "modality_raw", "steps", "run_events", "ranks")
+            for t in ("ingest_fragments", "modality_raw", "steps", "run_events", "ranks")
         }
 
 
@@ -61,7 +61,7 @@ def test_msgpack_gzip_batch_is_stored_and_compacted(live_server: Any) -> None:
     res = live_server.compact()
     assert res.rank_steps == 24 and res.steps == 6
     c = _counts(live_server.state.engine)
-    assert c["rank_steps_raw"] == 0 and c["steps"] == 6
+    assert c["ingest_fragments"] == 0 and c["steps"] == 6
     with live_server.client() as cl:
         s = cl.summary(rid)
     assert s["rank_steps"] == 24 and s["collective_records"] == 96 and s["steps"] == 6
@@ -79,7 +79,7 @@ def test_json_and_row_form_are_accepted(live_server: Any) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["accepted"] == {"rank_steps": 4, "collectives": 0, "modality_tokens": 0, "ranks": 1, "events": 1}
     c = _counts(live_server.state.engine)
-    assert c["rank_steps_raw"] == 4 and c["ranks"] == 1 and c["run_events"] == 1
+    assert c["ingest_fragments"] == 1 and c["ranks"] == 1 and c["run_events"] == 1
 
 
 BAD_CASES = [

@@ -11,6 +11,7 @@ from fleetscope.server.codec import (
     RAW_STEP_FLOATS,
     RAW_STEP_LAYOUT,
     STEP_BLOCK_FIELDS,
+    CopyLayout,
     decode_block,
     encode_block,
 )
@@ -22,7 +23,7 @@ from sqlalchemy import inspect, text
 
 def test_migrations_from_empty_create_every_table_and_are_idempotent(db_url: str, engine: Any) -> None:
     tables = set(inspect(engine).get_table_names())
-    for t in ("runs", "ranks", "rank_steps_raw", "collectives_raw", "steps", "run_collectives", "run_events",
+    for t in ("runs", "ranks", "ingest_fragments", "modality_raw", "steps", "run_collectives", "run_events",
               "benchmark_series", "benchmark_points", "alerts", "api_tokens", "alembic_version"):
         assert t in tables
     upgrade(db_url)  # second time: no-op, no error
@@ -67,27 +68,29 @@ def test_grouped_median_matches_numpy_with_nans() -> None:
 
 
 def test_binary_copy_layout_roundtrips_through_postgres(engine: Any) -> None:
-    run = register_run(engine, RunRegistration(name="copy", world_size=4))
-    n = 10
-    vals: dict[str, Any] = {"run_id": run["id"], "step": np.arange(n) // 4, "rank": np.arange(n) % 4, "flags": 0}
-    for f in RAW_STEP_FLOATS:
-        vals[f] = np.linspace(0, 1, n)
-    vals["tokens"] = np.full(n, np.nan)
     raw = engine.raw_connection()
     try:
         conn = raw.driver_connection
         with conn.cursor() as cur:
-            with cur.copy(RAW_STEP_LAYOUT.copy_in_sql) as cp:
-                cp.write(RAW_STEP_LAYOUT.build(n, vals))
+            cur.execute("CREATE TEMP TABLE rows_ref (run_id int, step int, rank int, flags int, "
+                        + ", ".join(f"{f} float8" for f in RAW_STEP_FLOATS) + ")")
+            n = 10
+            vals: dict[str, Any] = {"run_id": 7, "step": np.arange(n) // 4, "rank": np.arange(n) % 4, "flags": 0}
+            for f in RAW_STEP_FLOATS:
+                vals[f] = np.linspace(0, 1, n)
+            vals["tokens"] = np.full(n, np.nan)
+            layout = CopyLayout("rows_ref", RAW_STEP_LAYOUT.columns)
+            with cur.copy(layout.copy_in_sql) as cp:
+                cp.write(layout.build(n, vals))
             buf = bytearray()
-            with cur.copy(f"COPY (SELECT {', '.join(RAW_STEP_LAYOUT.names)} FROM rank_steps_raw ORDER BY step, rank) "
+            with cur.copy(f"COPY (SELECT {', '.join(layout.names)} FROM rows_ref ORDER BY step, rank) "
                           "TO STDOUT (FORMAT BINARY)") as cp:
                 for chunk in cp:
                     buf += chunk
         conn.commit()
     finally:
         raw.close()
-    back = RAW_STEP_LAYOUT.parse(bytes(buf))
+    back = layout.parse(bytes(buf))
     assert list(back["rank"]) == list(vals["rank"])
     assert np.allclose(back["step_s"], vals["step_s"]) and np.isnan(back["tokens"]).all()
 

@@ -1,0 +1,243 @@
+"""Ingest benchmark: sustained rank-step records/s through HTTP + msgpack into embedded Postgres,
+side by side with raw psycopg binary COPY of the same rows into the same tables; bytes on disk per
+rank-step after compaction, side by side with a one-row-per-rank-step table with a primary key.
+
+    python bench/ingest.py [--rank-steps 400000] [--ranks 256] [--senders 3]
+
+Prints `name: value unit` lines last (targets.md). The server runs as its own process
+(`fleetscope serve --database-url`), as in production; batches are encoded before timing starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psycopg
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fleetscope.client import columnar  # noqa: E402
+from fleetscope.server.codec import RAW_COLL_LAYOUT, RAW_STEP_LAYOUT  # noqa: E402
+from fleetscope.server.db import EmbeddedPostgres, libpq_url, upgrade  # noqa: E402
+from fleetscope.wire import COLLECTIVE_FIELDS, RANK_STEP_FIELDS, encode_batch  # noqa: E402
+
+
+def make_rows(ranks: int, steps: int, seed: int = 0) -> tuple[list[tuple], list[tuple]]:
+    """Realistic rank-step rows (all fields) and 4 collective records per rank-step."""
+    rng = np.random.default_rng(seed)
+    n = ranks * steps
+    step = np.repeat(np.arange(steps), ranks)
+    rank = np.tile(np.arange(ranks), steps)
+    compute = 0.8 * rng.lognormal(0, 0.02, n)
+    data = 0.02 * rng.lognormal(0, 0.3, n)
+    exposed = 0.1 * rng.lognormal(0, 0.1, n)
+    other = 0.03 * rng.lognormal(0, 0.1, n)
+    step_s = compute + data + exposed + other
+    ts = 1.7e9 + step * 1.0 + rng.random(n) * 1e-3
+    cols = {
+        "rank": rank, "step": step, "step_s": step_s, "ts": ts, "data_s": data, "compute_s": compute,
+        "forward_s": compute / 3, "backward_s": compute * 0.6, "optimizer_s": compute * (1 - 1 / 3 - 0.6),
+        "comm_exposed_s": exposed, "comm_total_s": exposed * 3, "other_s": other,
+        "tokens": rng.integers(14000, 16384, n), "padded_tokens": np.full(n, 16384), "samples": np.full(n, 8),
+        "flops": np.full(n, 6.9e14), "mem_allocated_bytes": rng.integers(60 << 30, 61 << 30, n) // 512 * 512,
+        "mem_reserved_bytes": np.full(n, 72 << 30), "mem_peak_bytes": rng.integers(66 << 30, 68 << 30, n) // 512 * 512,
+        "alloc_retries": np.zeros(n, dtype=np.int64), "flags": np.zeros(n, dtype=np.int64),
+    }  # fmt: skip
+    names = [f.name for f in RANK_STEP_FIELDS]
+    rows = list(zip(*(cols[k].tolist() for k in names), strict=True))
+    colls = []
+    for i in range(n):
+        r, s, tot, exp_, t = int(rank[i]), int(step[i]), float(cols["comm_total_s"][i]), float(exposed[i]), float(ts[i])
+        colls.append((r, s, 0, "all_reduce", ranks, 400 << 20, 16, tot * 0.7, exp_ * 0.7, t))
+        colls.append((r, s, 1, "all_reduce", ranks, 25 << 20, 4, tot * 0.2, exp_ * 0.2, t))
+        colls.append((r, s, 2, "all_gather", ranks, 4 << 20, 1, tot * 0.08, exp_ * 0.08, t))
+        colls.append((r, s, 3, "barrier", ranks, 0, 1, tot * 0.02, exp_ * 0.02, t))
+    return rows, colls
+
+
+def encode_batches(run_id: int, rows: list[tuple], colls: list[tuple], per_batch: int) -> list[tuple[bytes, dict]]:
+    out = []
+    for i in range(0, len(rows), per_batch):
+        b = {"v": 1, "run_id": run_id, "rank_steps": columnar(rows[i : i + per_batch], RANK_STEP_FIELDS),
+             "collectives": columnar(colls[4 * i : 4 * (i + per_batch)], COLLECTIVE_FIELDS)}
+        out.append(encode_batch(b))
+    return out
+
+
+REF_TABLES = f"""
+CREATE TABLE ref_rank_steps ({", ".join(f"{c} {'int4' if t == 'i4' else 'float8'}" for c, t in RAW_STEP_LAYOUT.columns)});
+CREATE TABLE ref_collectives ({", ".join(f"{c} {dict(i2='int2', i4='int4', i8='int8', f8='float8')[t]}" for c, t in RAW_COLL_LAYOUT.columns)});
+"""
+
+
+def raw_copy(url: str, run_id: int, rows: list[tuple], colls: list[tuple]) -> float:
+    """Reference: psycopg binary COPY (write_row) of the same rows into row tables of the same columns
+    (one row per record, no index: the fastest way to land them in Postgres)."""
+    from fleetscope.server.validate import OP_CODE
+
+    step_cols = RAW_STEP_LAYOUT.names
+    names = [f.name for f in RANK_STEP_FIELDS]
+    idx = [names.index(c) if c in names else None for c in step_cols]
+    t0 = time.perf_counter()
+    with psycopg.connect(url) as conn, conn.cursor() as cur:
+        with cur.copy(f"COPY ref_rank_steps ({', '.join(step_cols)}) FROM STDIN (FORMAT BINARY)") as cp:
+            cp.set_types(["int4"] * 4 + ["float8"] * (len(step_cols) - 4))
+            for row in rows:
+                cp.write_row([run_id if i is None else row[i] for i in idx])
+        with cur.copy(f"COPY ref_collectives ({', '.join(RAW_COLL_LAYOUT.names)}) FROM STDIN (FORMAT BINARY)") as cp:
+            cp.set_types(["int4", "int4", "int4", "int4", "int2", "int4", "int8", "int4", "float8", "float8", "float8"])
+            for r, s, seq, op, n, b, calls, tot, exp_, t in colls:
+                cp.write_row((run_id, s, r, seq, OP_CODE[op], n, b, calls, tot, exp_, t))
+        conn.commit()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank-steps", type=int, default=400_000)
+    ap.add_argument("--ranks", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8192, help="rank-steps per HTTP batch")
+    ap.add_argument("--senders", type=int, default=3)
+    ap.add_argument("--port", type=int, default=18431)
+    args = ap.parse_args()
+    steps = max(1, args.rank_steps // args.ranks)
+    n = steps * args.ranks
+
+    tmp = Path(tempfile.mkdtemp(prefix="fsb-", dir="/tmp"))
+    pg = EmbeddedPostgres(tmp)
+    url = pg.start()
+    upgrade(url)
+    server = None
+    try:
+        print(f"generating {n:,} rank-steps ({args.ranks} ranks x {steps} steps) + {4 * n:,} collectives ...", flush=True)
+        rows, colls = make_rows(args.ranks, steps)
+        with psycopg.connect(libpq_url(url), autocommit=True) as c:
+            for name in ("bench-http", "bench-copy"):
+                c.execute("INSERT INTO runs (name, world_size) VALUES (%s, %s)", (name, args.ranks))
+            http_run = c.execute("SELECT id FROM runs WHERE name = 'bench-http'").fetchone()[0]
+            copy_run = c.execute("SELECT id FROM runs WHERE name = 'bench-copy'").fetchone()[0]
+        from fleetscope.server.auth import create_token
+        from fleetscope.server.db import make_engine
+
+        eng = make_engine(url, pool_size=1)
+        token = create_token(eng, "bench")
+        eng.dispose()
+
+        # --- reference: raw COPY of the same rows into row tables (then dropped)
+        with psycopg.connect(libpq_url(url), autocommit=True) as c:
+            c.execute(REF_TABLES)
+        t_copy = raw_copy(libpq_url(url), copy_run, rows, colls)
+        with psycopg.connect(libpq_url(url), autocommit=True) as c:
+            c.execute("DROP TABLE ref_rank_steps, ref_collectives")
+        copy_rate = n / t_copy
+        print(f"raw COPY: {t_copy:.2f}s", flush=True)
+
+        batches = encode_batches(http_run, rows, colls, args.batch)
+        wire_bytes = sum(len(b) for b, _ in batches)
+        env = {**os.environ, "FLEETSCOPE_COMPACT_GRACE_S": "2", "FLEETSCOPE_COMPACT_INTERVAL_S": "0.5"}
+        server = subprocess.Popen(
+            [sys.executable, "-m", "fleetscope.cli", "serve", "--database-url", url, "--port", str(args.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+        )
+        base = f"http://127.0.0.1:{args.port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("server did not start")
+            time.sleep(0.2)
+
+        lat: list[float] = []
+        retries = [0]
+        q = list(range(len(batches)))
+        lock = threading.Lock()
+
+        def sender() -> None:
+            with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=120) as h:
+                while True:
+                    with lock:
+                        if not q:
+                            return
+                        i = q.pop(0)
+                    body, headers = batches[i]
+                    while True:
+                        t = time.perf_counter()
+                        r = h.post("/api/v1/ingest", content=body, headers=headers)
+                        if r.status_code in (429, 503):
+                            retries[0] += 1
+                            time.sleep(float(r.headers.get("Retry-After", "1")))
+                            continue
+                        r.raise_for_status()
+                        lat.append(time.perf_counter() - t)
+                        break
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=sender) for _ in range(args.senders)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        t_accept = time.perf_counter() - t0
+        # sustained = until everything is compacted into step blocks (the server's own compactor)
+        with psycopg.connect(libpq_url(url), autocommit=True) as c:
+            while c.execute("SELECT count(*) FROM ingest_fragments").fetchone()[0] > 0:
+                time.sleep(0.05)
+            t_done = time.perf_counter() - t0
+            stored = c.execute("SELECT rank_steps, collective_records FROM runs WHERE id = %s", (http_run,)).fetchone()
+            assert stored == (n, 4 * n), stored
+            c.execute("VACUUM ANALYZE steps, run_collectives, runs")
+            total = c.execute(
+                "SELECT pg_total_relation_size('steps') + pg_total_relation_size('run_collectives')"
+            ).fetchone()[0]
+            coll_bytes = c.execute("SELECT coalesce(sum(octet_length(coll_block)), 0) FROM steps").fetchone()[0]
+            # reference layout: one row per rank-step, same columns, primary key
+            c.execute(
+                "CREATE TABLE ref_rank_steps (run_id int, step int, rank int, flags int, "
+                + ", ".join(f"{f} float8" for f in RAW_STEP_LAYOUT.names[4:])
+                + ", PRIMARY KEY (run_id, step, rank))"
+            )
+        with psycopg.connect(libpq_url(url)) as c, c.cursor() as cur:
+            names = [f.name for f in RANK_STEP_FIELDS]
+            idx = [names.index(x) for x in RAW_STEP_LAYOUT.names[1:]]
+            with cur.copy("COPY ref_rank_steps FROM STDIN") as cp:
+                for row in rows:
+                    cp.write_row([http_run, *(row[i] for i in idx)])
+            c.commit()
+        with psycopg.connect(libpq_url(url), autocommit=True) as c:
+            c.execute("VACUUM ANALYZE ref_rank_steps")
+            ref = c.execute("SELECT pg_total_relation_size('ref_rank_steps')").fetchone()[0]
+        lat_ms = np.array(lat) * 1e3
+        print(f"batches: {len(batches)} x {args.batch} rank-steps (+4 collectives each), {args.senders} senders, "
+              f"{wire_bytes / n:.1f} wire bytes per rank-step (msgpack+gzip), {retries[0]} backpressure retries")
+        print(f"ingest_accept_rate: {n / t_accept:,.0f} rank-steps/s")
+        print(f"ingest_sustained_rate: {n / t_done:,.0f} rank-steps/s (accepted and compacted, + {4 * n / t_done:,.0f} collectives/s)")
+        print(f"raw_copy_rate: {copy_rate:,.0f} rank-steps/s (+ 4x collectives; psycopg binary COPY write_row into row tables)")
+        print(f"ingest_vs_copy_ratio: {n / t_done / copy_rate:.2f} x")
+        print(f"batch_latency_p50: {np.percentile(lat_ms, 50):.0f} ms")
+        print(f"batch_latency_p99: {np.percentile(lat_ms, 99):.0f} ms")
+        print(f"bytes_per_rank_step: {(total - coll_bytes) / n:.1f} B (steps table + toast + index + rollups, collectives excluded)")
+        print(f"bytes_per_rank_step_with_collectives: {total / n:.1f} B (incl. 4 collective records per rank-step)")
+        print(f"reference_bytes_per_rank_step: {ref / n:.1f} B (one row per rank-step with primary key)")
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(30)
+        pg.stop()
+
+
+if __name__ == "__main__":
+    main()

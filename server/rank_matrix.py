@@ -1,0 +1,215 @@
+"""Per-rank × per-step matrices of a run (step time, work time) for the heatmap and straggler views.
+
+The per-rank records live in the compressed blocks of ``steps`` (one per step). Decoding every block
+of a 1,024-rank × 5,000-step run takes seconds, so the decoded matrices are cached per process
+(float32, ~8 MB per 1,000 ranks × 1,000 steps and field) and brought up to date incrementally: only
+blocks of steps newer than the cached ones are read; when the run's rank-step counter shows that an
+older step changed (a late record merged), the matrix is reloaded. The cache is bounded in bytes
+(least recently used run evicted first).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Engine, text
+
+from .codec import STEP_BLOCK_FIELDS, decode_block
+from .downsample import MatrixReduction, reduce_matrix
+
+__all__ = ["RankMatrices", "rank_matrices", "rank_heatmap", "rank_slowdown", "clear_cache", "HEATMAP_FIELDS"]
+
+log = logging.getLogger(__name__)
+
+#: heatmap fields: name -> (label, unit)
+HEATMAP_FIELDS = {"step_s": "step time", "work_s": "work time (step − exposed comm)"}
+_CACHE_BYTES = 512 * 1024 * 1024
+_FETCH_CHUNK = 500  # steps per query while loading blocks
+
+
+@dataclass
+class RankMatrices:
+    """``step_s[step_index, rank]`` and ``exposed_s`` (float32, NaN = no record) of one run."""
+
+    run_id: int
+    steps: np.ndarray
+    step_s: np.ndarray
+    exposed_s: np.ndarray
+    cells: int  # rank-steps held
+    version: tuple[int, int]  # (runs.rank_steps, runs.steps) at load time
+    load_s: float = 0.0
+    derived: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return self.step_s.nbytes + self.exposed_s.nbytes + self.steps.nbytes
+
+    @property
+    def work_s(self) -> np.ndarray:
+        w = self.derived.get("work_s")
+        if w is None:
+            w = self.step_s - np.nan_to_num(self.exposed_s)
+            self.derived["work_s"] = w
+        return w
+
+
+_cache: OrderedDict[tuple[int, int], RankMatrices] = OrderedDict()
+_lock = threading.Lock()
+_run_locks: dict[tuple[int, int], threading.Lock] = {}
+
+
+def clear_cache() -> None:
+    """Forget every cached matrix (tests, benchmarks measuring the cold path)."""
+    with _lock:
+        _cache.clear()
+
+
+def _load_blocks(c: Any, run_id: int, world: int, after: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    steps_l: list[int] = []
+    st_rows: list[np.ndarray] = []
+    ex_rows: list[np.ndarray] = []
+    cells = 0
+    lo = -1 if after is None else after
+    while True:
+        rows = c.execute(
+            text(
+                "SELECT step, block FROM steps WHERE run_id = :id AND step > :lo AND n_ranks > 0 "
+                "ORDER BY step LIMIT :n"
+            ),
+            {"id": run_id, "lo": lo, "n": _FETCH_CHUNK},
+        ).fetchall()
+        for step, block in rows:
+            d = decode_block(STEP_BLOCK_FIELDS, block)
+            ranks = d["rank"]
+            ok = (ranks >= 0) & (ranks < world)
+            a = np.full(world, np.nan, dtype=np.float32)
+            e = np.full(world, np.nan, dtype=np.float32)
+            a[ranks[ok]] = d["step_s"][ok]
+            e[ranks[ok]] = d["comm_exposed_s"][ok]
+            steps_l.append(int(step))
+            st_rows.append(a)
+            ex_rows.append(e)
+            cells += int(ok.sum())
+        if len(rows) < _FETCH_CHUNK:
+            break
+        lo = int(rows[-1][0])
+    if not steps_l:
+        empty = np.empty((0, world), dtype=np.float32)
+        return np.empty(0, dtype=np.int64), empty, empty.copy(), 0
+    return np.asarray(steps_l, dtype=np.int64), np.vstack(st_rows), np.vstack(ex_rows), cells
+
+
+def rank_matrices(engine: Engine, run_id: int) -> RankMatrices | None:
+    """The run's per-rank matrices, from the cache when still current; None for an unknown run."""
+    key = (id(engine), run_id)
+    with _lock:
+        run_lock = _run_locks.setdefault(key, threading.Lock())
+    with run_lock, engine.connect() as c:
+        row = c.execute(text("SELECT world_size, rank_steps, steps FROM runs WHERE id = :id"), {"id": run_id}).fetchone()
+        if row is None:
+            return None
+        world, n_rank_steps, n_steps = int(row[0] or 1), int(row[1] or 0), int(row[2] or 0)
+        version = (n_rank_steps, n_steps)
+        with _lock:
+            cached = _cache.get(key)
+            if cached is not None:
+                _cache.move_to_end(key)
+        if cached is not None and cached.version == version and cached.step_s.shape[1] == world:
+            return cached
+        t0 = time.perf_counter()
+        m: RankMatrices | None = None
+        if cached is not None and cached.step_s.shape[1] == world and cached.steps.size:
+            s, a, e, cells = _load_blocks(c, run_id, world, int(cached.steps[-1]))
+            if cached.cells + cells == n_rank_steps:
+                m = RankMatrices(run_id, np.concatenate([cached.steps, s]), np.vstack([cached.step_s, a]),
+                                 np.vstack([cached.exposed_s, e]), cached.cells + cells, version)
+        if m is None:
+            s, a, e, cells = _load_blocks(c, run_id, world, None)
+            m = RankMatrices(run_id, s, a, e, cells, version)
+        m.load_s = time.perf_counter() - t0
+    log.debug("rank matrices of run %s: %d steps × %d ranks in %.2f s", run_id, m.steps.size, world, m.load_s)
+    with _lock:
+        _cache[key] = m
+        _cache.move_to_end(key)
+        total = sum(v.nbytes for v in _cache.values())
+        while total > _CACHE_BYTES and len(_cache) > 1:
+            _, old = _cache.popitem(last=False)
+            total -= old.nbytes
+    return m
+
+
+def rank_heatmap(
+    engine: Engine, run_id: int, *, field: str = "step_s", how: str = "max", max_ranks: int = 256, max_steps: int = 400
+) -> dict[str, Any] | None:
+    """Ranks × steps of ``field`` reduced server-side to at most ``max_ranks`` × ``max_steps`` cells.
+
+    Returns steps (first step of each column), rank ranges of each row, values (seconds) and the
+    aggregation factors; None for an unknown run."""
+    if field not in HEATMAP_FIELDS:
+        raise ValueError(f"field must be one of {sorted(HEATMAP_FIELDS)}, got {field!r}")
+    m = rank_matrices(engine, run_id)
+    if m is None:
+        return None
+    mat = m.step_s if field == "step_s" else m.work_s
+    red: MatrixReduction = reduce_matrix(mat.T, max_rows=max_ranks, max_cols=max_steps, how=how)
+    steps = m.steps
+    return {
+        "field": field,
+        "label": HEATMAP_FIELDS[field],
+        "how": how,
+        "values": red.values,
+        "rank_lo": red.row_lo,
+        "rank_hi": red.row_hi,
+        "step_lo": steps[red.col_lo] if steps.size else np.empty(0, dtype=np.int64),
+        "step_hi": steps[red.col_hi] if steps.size else np.empty(0, dtype=np.int64),
+        "rank_factor": red.row_factor,
+        "step_factor": red.col_factor,
+        "n_ranks": int(mat.shape[1]),
+        "n_steps": int(mat.shape[0]),
+        "cells": m.cells,
+    }
+
+
+def rank_slowdown(engine: Engine, run_id: int) -> dict[str, Any] | None:
+    """Per-rank ``slowdown`` = median over steps of (rank work_s / median work_s of the step)
+    (metrics.md "Stragglers"), plus the per-node median of its ranks' slowdowns."""
+    m = rank_matrices(engine, run_id)
+    if m is None:
+        return None
+    cached = m.derived.get("slowdown")
+    if cached is None:
+        work = m.work_s.astype(np.float64)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            med = np.nanmedian(work, axis=1)
+            ratio = work / med[:, None]
+            slow = np.nanmedian(ratio, axis=0) if work.size else np.empty(0)
+            lost = np.nansum(np.nanmax(work, axis=1) - med) if work.size else 0.0
+        cached = {"slowdown": slow, "time_lost_s": float(lost)}
+        m.derived["slowdown"] = cached
+    with engine.connect() as c:
+        hosts = dict(c.execute(text("SELECT rank, coalesce(node, host) FROM ranks WHERE run_id = :id"), {"id": run_id}).fetchall())
+    slow = cached["slowdown"]
+    ranks = np.arange(slow.size)
+    node_of = [hosts.get(int(r)) or "?" for r in ranks]
+    by_node: dict[str, list[float]] = {}
+    for r, nd in zip(ranks, node_of, strict=True):
+        if not np.isnan(slow[r]):
+            by_node.setdefault(nd, []).append(float(slow[r]))
+    nodes = sorted(((nd, float(np.median(v)), len(v)) for nd, v in by_node.items()), key=lambda t: -t[1])
+    return {
+        "rank": ranks,
+        "slowdown": slow,
+        "node_of": node_of,
+        "nodes": [{"node": nd, "slowdown": s, "ranks": k} for nd, s, k in nodes],
+        "time_lost_s": cached["time_lost_s"],
+        "known_hosts": bool(hosts),
+    }

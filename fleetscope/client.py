@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from .wire import COLLECTIVE_FIELDS, RANK_STEP_FIELDS, encode_batch
+from .wire import COLLECTIVE_FIELDS, RANK_STEP_FIELDS, columns_from_rows, encode_batch
 
 __all__ = ["Client", "ApiError", "columnar"]
 
@@ -19,16 +19,9 @@ class ApiError(RuntimeError):
         self.detail = detail
 
 
-def columnar(rows: list[tuple], fields: Any) -> dict[str, list]:
-    """Rows (tuples in field order) → columnar section, omitting all-null optional columns."""
-    cols = list(zip(*rows, strict=True)) if rows else [[] for _ in fields]
-    out = {}
-    for f, col in zip(fields, cols, strict=True):
-        col = list(col)
-        if not f.required and all(v is None for v in col):
-            continue
-        out[f.name] = col
-    return out
+def columnar(rows: list[tuple], fields: Any, *, binary: bool = False) -> dict[str, Any]:
+    """Rows (tuples in field order) → columnar section (lists, or packed bytes when ``binary``)."""
+    return columns_from_rows(rows, fields, binary=binary)
 
 
 class Client:
@@ -86,9 +79,9 @@ class Client:
         raise AssertionError("unreachable")
 
     def ingest_rows(self, run_id: int, step_rows: list[tuple], coll_rows: list[tuple] | None = None, **extra: Any) -> dict[str, Any]:
-        batch: dict[str, Any] = {"v": 1, "run_id": run_id, "rank_steps": columnar(step_rows, RANK_STEP_FIELDS)}
+        batch: dict[str, Any] = {"v": 1, "run_id": run_id, "rank_steps": columnar(step_rows, RANK_STEP_FIELDS, binary=True)}
         if coll_rows:
-            batch["collectives"] = columnar(coll_rows, COLLECTIVE_FIELDS)
+            batch["collectives"] = columnar(coll_rows, COLLECTIVE_FIELDS, binary=True)
         batch.update(extra)
         return self.ingest(batch)
 

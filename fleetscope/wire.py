@@ -15,7 +15,10 @@ A batch is one JSON or msgpack object (optionally gzip-compressed) for one run::
     }
 
 Columnar sections are objects of equal-length arrays (a missing optional column means all null;
-``null`` inside an optional column means "not measured"). Instead of columns a batch may carry
+``null`` inside an optional column means "not measured"). A numeric column may instead be sent as
+raw little-endian bytes (msgpack ``bin``): float columns as float64 (NaN = not measured), int
+columns as int64 — no per-value objects on either side; this is what the agent sends
+(:func:`columns_from_rows`). Instead of columns a batch may carry
 ``"records": [{"kind": "rank_step", ...}, {"kind": "collective", ...}, ...]`` (row form, friendlier
 for scripts, slower; an event record names its own kind in ``"event"``); both forms may not be mixed.
 
@@ -43,6 +46,7 @@ __all__ = [
     "BUSBW_FACTOR",
     "busbw_factor",
     "encode_batch",
+    "columns_from_rows",
     "MSGPACK_CONTENT_TYPE",
 ]
 
@@ -151,6 +155,31 @@ def busbw_factor(op: str, n: int) -> float:
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     return 1.0
+
+
+def columns_from_rows(rows: list[tuple], fields: tuple[Field, ...], *, binary: bool = True) -> dict[str, Any]:
+    """Rows (tuples in ``fields`` order) → a columnar section; numeric columns as packed little-endian
+    bytes when ``binary``; optional columns that are entirely null are left out."""
+    import sys
+    from array import array
+
+    cols = list(zip(*rows, strict=True)) if rows else [() for _ in fields]
+    out: dict[str, Any] = {}
+    nan = float("nan")
+    for f, col in zip(fields, cols, strict=True):
+        if not f.required and all(v is None for v in col):
+            continue
+        if not binary or f.type == "str":
+            out[f.name] = list(col)
+            continue
+        if f.type == "int" and None not in col:
+            a = array("q", col)
+        else:
+            a = array("d", [nan if v is None else v for v in col])
+        if sys.byteorder != "little":
+            a.byteswap()
+        out[f.name] = a.tobytes()
+    return out
 
 
 def encode_batch(batch: dict[str, Any], *, fmt: str = "msgpack", compress: bool = True) -> tuple[bytes, dict[str, str]]:

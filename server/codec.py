@@ -7,8 +7,10 @@ one numpy structured array (big-endian) — no per-row Python — in both direct
 from __future__ import annotations
 
 import struct
+import threading
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -143,25 +145,47 @@ COLL_BLOCK_FIELDS: tuple[tuple[str, str], ...] = (
 FRAG_STEP_FIELDS: tuple[tuple[str, str], ...] = (("step", "<i4"), *STEP_BLOCK_FIELDS)
 FRAG_COLL_FIELDS: tuple[tuple[str, str], ...] = (("step", "<i4"), *COLL_BLOCK_FIELDS)
 
-_BLOCK_VERSION = 1
+_ZLIB, _ZSTD, _RAW = 1, 2, 3  # block format versions (the first byte)
+_zstd_c = threading.local()
 
 
-def encode_block(fields: Sequence[tuple[str, str]], cols: dict[str, np.ndarray]) -> bytes:
-    """Columnar block: version, row count, then zlib(byte-shuffled columns) — ~45 B per rank-step."""
+def _compressor() -> Any:
+    c = getattr(_zstd_c, "c", None)
+    if c is None:
+        import zstandard
+
+        c = _zstd_c.c = zstandard.ZstdCompressor(level=1)
+    return c
+
+
+def encode_block(fields: Sequence[tuple[str, str]], cols: dict[str, np.ndarray], *, compress: bool = True) -> bytes:
+    """Columnar block: format byte, row count, then the byte-shuffled columns, zstd-compressed
+    (level 1: same ratio as zlib here at ~10x the speed; ~40 B per rank-step). ``compress=False``
+    keeps them raw (short-lived landing fragments: no CPU spent compressing twice)."""
     n = len(cols[fields[0][0]])
     parts = []
     for name, dt in fields:
         a = np.ascontiguousarray(cols[name], dtype=dt)
         parts.append(a.view(np.uint8).reshape(n, a.itemsize).T.tobytes())
-    return struct.pack("<BI", _BLOCK_VERSION, n) + zlib.compress(b"".join(parts), 1)
+    body = b"".join(parts)
+    if not compress:
+        return struct.pack("<BI", _RAW, n) + body
+    return struct.pack("<BI", _ZSTD, n) + _compressor().compress(body)
 
 
 def decode_block(fields: Sequence[tuple[str, str]], blob: bytes) -> dict[str, np.ndarray]:
-    """Inverse of :func:`encode_block`; floats come back as float64."""
+    """Inverse of :func:`encode_block`; floats come back as float64, ints as int64."""
     version, n = struct.unpack_from("<BI", blob)
-    if version != _BLOCK_VERSION:
+    if version == _ZSTD:
+        import zstandard
+
+        raw = zstandard.ZstdDecompressor().decompress(blob[5:], max_output_size=n * 64 + 1024)
+    elif version == _RAW:
+        raw = memoryview(blob)[5:]
+    elif version == _ZLIB:
+        raw = zlib.decompress(blob[5:])
+    else:
         raise ValueError(f"unknown block version {version}")
-    raw = zlib.decompress(blob[5:])
     out: dict[str, np.ndarray] = {}
     off = 0
     for name, dt in fields:

@@ -246,8 +246,8 @@ class Compactor:
             steps = np.concatenate([S["step"][ms], C["step"][mc]])
             rows.append((
                 f[1], f[3], int(ms.sum()), int(mc.sum()), int(steps.min()), int(steps.max()),
-                encode_block(FRAG_STEP_FIELDS, {k: S[k][ms] for k, _ in FRAG_STEP_FIELDS}) if ms.any() else None,
-                encode_block(FRAG_COLL_FIELDS, {k: C[k][mc] for k, _ in FRAG_COLL_FIELDS}) if mc.any() else None,
+                encode_block(FRAG_STEP_FIELDS, {k: S[k][ms] for k, _ in FRAG_STEP_FIELDS}, compress=False) if ms.any() else None,
+                encode_block(FRAG_COLL_FIELDS, {k: C[k][mc] for k, _ in FRAG_COLL_FIELDS}, compress=False) if mc.any() else None,
             ))  # fmt: skip
         cur.execute("DELETE FROM ingest_fragments WHERE id = ANY(%s)", ([f[0] for f in frags],))
         if rows:

@@ -263,3 +263,59 @@ class TraceSummary(Base):
     source: Mapped[str] = mapped_column(String(512), primary_key=True)
     summary: Mapped[dict[str, Any]] = mapped_column(JSONB)
     created_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
+
+
+# --- analysis rollups (issue #6; migration 0002) -------------------------------------------------
+
+
+class RankRollup(Base):
+    """Per-(run, rank) straggler rollup, folded at compaction (server/analysis/rollups.py).
+
+    ``hist`` counts steps by the rank's work ratio (rank work_s / the step's median work_s) in
+    log-spaced bins (int32 little-endian); sums are over the rank's compacted steps."""
+
+    __tablename__ = "rank_rollups"
+    run_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    steps: Mapped[int] = mapped_column(Integer, server_default="0")
+    above: Mapped[int] = mapped_column(Integer, server_default="0")  # steps with ratio > 1.05
+    hist: Mapped[bytes | None] = mapped_column(LargeBinary)
+    work_s: Mapped[float] = mapped_column(Double, server_default="0")
+    step_s: Mapped[float] = mapped_column(Double, server_default="0")
+    data_s: Mapped[float] = mapped_column(Double, server_default="0")
+    excess_s: Mapped[float] = mapped_column(Double, server_default="0")  # Σ work - step median work
+    data_excess_s: Mapped[float] = mapped_column(Double, server_default="0")
+    compute_excess_s: Mapped[float] = mapped_column(Double, server_default="0")
+    other_excess_s: Mapped[float] = mapped_column(Double, server_default="0")
+    lost_s: Mapped[float] = mapped_column(Double, server_default="0")  # Σ max - median where slowest
+    slowest_steps: Mapped[int] = mapped_column(Integer, server_default="0")
+    late_s: Mapped[float] = mapped_column(Double, server_default="0")  # Σ collective lateness
+    late_n: Mapped[int] = mapped_column(Integer, server_default="0")
+    last_arrivals: Mapped[int] = mapped_column(Integer, server_default="0")
+
+
+class RankWindow(Base):
+    """Per-(run, rank, window of steps) counts: is the rank's median ratio above 1.05 in that window."""
+
+    __tablename__ = "rank_windows"
+    run_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    win: Mapped[int] = mapped_column(Integer, primary_key=True)  # step // WINDOW_STEPS
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    steps: Mapped[int] = mapped_column(Integer, server_default="0")
+    above: Mapped[int] = mapped_column(Integer, server_default="0")
+    ratio_sum: Mapped[float] = mapped_column(Double, server_default="0")  # Σ min(ratio, 3)
+    excess_s: Mapped[float] = mapped_column(Double, server_default="0")
+
+
+class RunStat(Base):
+    """Cached per-run summary figures (regression series, scaling, compare); recomputed when stale."""
+
+    __tablename__ = "run_stats"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    steps: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    stats: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
+    computed_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
+
+
+__all__ += ["RankRollup", "RankWindow", "RunStat"]

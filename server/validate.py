@@ -87,6 +87,8 @@ def _loc(section: str, idx: int, name: str, index_map: list[int] | None) -> str:
 
 def _column(section: str, f: Field, values: Any, n: int, index_map: list[int] | None) -> np.ndarray:
     where = f"{section}.{f.name}" if index_map is None else f"records[*].{f.name}"
+    if isinstance(values, (bytes, bytearray)) and index_map is None:
+        return _binary_column(section, f, values, n)
     if not isinstance(values, list):
         raise BatchError(where, f"must be an array, got {type(values).__name__}")
     if len(values) != n:
@@ -150,6 +152,35 @@ def _column(section: str, f: Field, values: Any, n: int, index_map: list[int] | 
     return arr
 
 
+def _binary_column(section: str, f: Field, values: bytes, n: int) -> np.ndarray:
+    """A packed little-endian column: float64 (NaN = not measured) or int64."""
+    if f.type == "str":
+        raise BatchError(f"{section}.{f.name}", "must be an array of strings (bytes given)")
+    if len(values) != 8 * n:
+        raise BatchError(
+            f"{section}.{f.name}", f"has {len(values)} bytes but the section has {n} records (8 bytes each expected)"
+        )
+    arr = np.frombuffer(values, dtype="<f8" if f.type == "float" else "<i8").astype(np.float64)
+    nan = np.isnan(arr)
+    if f.required and nan.any():
+        i = int(np.argmax(nan))
+        raise BatchError(f"{section}.{f.name}[{i}]", "is required (NaN given)")
+    finite = np.isfinite(arr) | nan
+    if not finite.all():
+        i = int(np.argmax(~finite))
+        raise BatchError(f"{section}.{f.name}[{i}]", "must be finite (inf is not allowed)", got=float(arr[i]))
+    if f.nonnegative and (arr < 0).any():
+        i = int(np.argmax(arr < 0))
+        raise BatchError(f"{section}.{f.name}[{i}]", "must be >= 0", got=float(arr[i]))
+    big = np.abs(np.where(nan, 0.0, arr)) > _max_of(f)
+    if big.any():
+        i = int(np.argmax(big))
+        raise BatchError(f"{section}.{f.name}[{i}]", "is out of range", got=float(arr[i]))
+    if f.type == "float" and f.name == "op":  # pragma: no cover - op is a string column
+        raise BatchError(f"{section}.{f.name}", "must be strings")
+    return arr
+
+
 def _section(
     section: str, data: Any, fields: tuple[Field, ...], world_size: int, index_map: list[int] | None = None
 ) -> dict[str, np.ndarray]:
@@ -162,7 +193,12 @@ def _section(
     if not data:
         return {}
     ref = data.get("rank", next(iter(data.values())))
-    n = len(ref) if isinstance(ref, list) else -1
+    if isinstance(ref, list):
+        n = len(ref)
+    elif isinstance(ref, (bytes, bytearray)):
+        n = len(ref) // 8
+    else:
+        n = -1
     cols: dict[str, np.ndarray] = {}
     for f in fields:
         if f.name in data:

@@ -290,20 +290,20 @@ def test_overload_answers_503_with_retry_after(live_server: Any) -> None:
     finally:
         adm._sem.release()
     assert r.status_code == 503 and r.headers["Retry-After"].isdigit()
-    live_server.state.ingest.backlog_rows = 10**9
+    live_server.state.ingest.backlog_max_rows = -1  # any backlog is too much
     r = _post(live_server, body, headers)
     assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
-    live_server.state.ingest.backlog_rows = 0
+    live_server.state.ingest.backlog_max_rows = 10**9
     assert _post(live_server, body, headers).status_code == 200
 
 
 def test_client_retries_after_overload(live_server: Any) -> None:
     spec = _spec()
     rid = _register(live_server, spec)
-    live_server.state.ingest.backlog_rows = 10**9
+    live_server.state.ingest.backlog_max_rows = -1
 
     def clear() -> None:
-        live_server.state.ingest.backlog_rows = 0
+        live_server.state.ingest.backlog_max_rows = 10**9
 
     threading.Timer(1.5, clear).start()
     with live_server.client() as c:

@@ -56,6 +56,11 @@ _MEDIAN_COLS = (
     "optimizer_s",
 )
 _SUM_COLS = ("tokens", "padded_tokens", "samples", "flops", "alloc_retries")
+_ROLL_FLOATS = (
+    "ts", "step_s", "data_s", "compute_s", "comm_exposed_s", "other_s", "comm_total_s", "forward_s", "backward_s",
+    "optimizer_s", "step_s_max", "work_s", "work_s_max",
+    "tokens", "padded_tokens", "samples", "flops", "mem_peak_bytes", "mem_reserved_bytes", "alloc_retries",
+)  # fmt: skip
 _MAX_COLS = ("mem_peak_bytes", "mem_reserved_bytes")
 
 
@@ -246,8 +251,8 @@ class Compactor:
             steps = np.concatenate([S["step"][ms], C["step"][mc]])
             rows.append((
                 f[1], f[3], int(ms.sum()), int(mc.sum()), int(steps.min()), int(steps.max()),
-                encode_block(FRAG_STEP_FIELDS, {k: S[k][ms] for k, _ in FRAG_STEP_FIELDS}, compress=False) if ms.any() else None,
-                encode_block(FRAG_COLL_FIELDS, {k: C[k][mc] for k, _ in FRAG_COLL_FIELDS}, compress=False) if mc.any() else None,
+                encode_block(FRAG_STEP_FIELDS, {k: S[k][ms] for k, _ in FRAG_STEP_FIELDS}, compress=True) if ms.any() else None,
+                encode_block(FRAG_COLL_FIELDS, {k: C[k][mc] for k, _ in FRAG_COLL_FIELDS}, compress=True) if mc.any() else None,
             ))  # fmt: skip
         cur.execute("DELETE FROM ingest_fragments WHERE id = ANY(%s)", ([f[0] for f in frags],))
         if rows:
@@ -300,25 +305,27 @@ class Compactor:
         S = {n: np.concatenate(v) for n, v in cols.items()}
         C = {n: np.concatenate(v) for n, v in ccols.items()}
 
-        S, dup_s = _dedup(S, ("run_id", "step", "rank"))
-        C, dup_c = _dedup(C, ("run_id", "step", "rank", "seq"))
-        res.duplicates = dup_s + dup_c
-        res.rank_steps = int((~S["is_old"]).sum())
-        res.collectives = int((~C["is_old"]).sum())
-
         # groups = (run_id, step) present in either table, sorted
         keys_s = S["run_id"] * (1 << 32) + S["step"]
         keys_c = C["run_id"] * (1 << 32) + C["step"]
         gkeys = np.union1d(keys_s, keys_c)
         n_groups = len(gkeys)
-        gid = np.searchsorted(gkeys, keys_s)
-        cgid = np.searchsorted(gkeys, keys_c)
-        old_keys = {run_id * (1 << 32) + step for run_id, step, _, _ in existing}
+        # sort by (group, rank[, seq]) once and keep the first row of each key: existing block rows
+        # come first and the sort is stable, so a re-sent copy never replaces what is stored
+        S, dup_s = _sort_dedup(S, np.searchsorted(gkeys, keys_s) * (1 << 24) + S["rank"])
+        C, dup_c = _sort_dedup(C, np.searchsorted(gkeys, keys_c) * (1 << 24) + C["rank"], C["seq"])
+        gid = S["_key"] >> 24
+        cgid = C["_key"] >> 24
+        res.duplicates = dup_s + dup_c
+        res.rank_steps = int((~S["is_old"]).sum())
+        res.collectives = int((~C["is_old"]).sum())
 
-        # rollups (vectorised over all groups)
+        # rollups (vectorised over all groups; rows are sorted by group)
+        n_ranks = np.bincount(gid, minlength=n_groups)
         work = S["step_s"] - np.nan_to_num(S["comm_exposed_s"])
-        roll: dict[str, np.ndarray] = {c: grouped_median(S[c], gid, n_groups) for c in _MEDIAN_COLS}
-        roll["work_s"] = grouped_median(work, gid, n_groups)
+        med_cols = [S[c] for c in _MEDIAN_COLS] + [work]
+        meds = _grouped_medians(med_cols, gid, n_ranks)
+        roll: dict[str, np.ndarray] = dict(zip((*_MEDIAN_COLS, "work_s"), meds, strict=True))
         roll["step_s_max"] = _grouped_max(S["step_s"], gid, n_groups)
         roll["work_s_max"] = _grouped_max(work, gid, n_groups)
         for c in _SUM_COLS:
@@ -333,59 +340,39 @@ class Compactor:
         last = np.r_[np.flatnonzero(np.diff(gid[order])), len(order) - 1] if len(order) else np.empty(0, dtype=np.int64)
         slow = np.full(n_groups, -1, dtype=np.int64)
         slow[gid[order][last]] = S["rank"][order][last]
-        n_ranks = np.bincount(gid, minlength=n_groups)
         neg = np.bincount(gid, weights=(S["flags"] & 1) > 0, minlength=n_groups).astype(np.int64)
         n_coll = np.bincount(cgid, minlength=n_groups)
 
-        # per-group blocks (rows sorted by group then rank)
-        s_order = np.lexsort((S["rank"], gid))
-        c_order = np.lexsort((C["seq"], C["rank"], cgid))
-        s_starts = np.searchsorted(gid[s_order], np.arange(n_groups + 1))
-        c_starts = np.searchsorted(cgid[c_order], np.arange(n_groups + 1))
-        Ss = {n: S[n][s_order] for n in names}
-        Cs = {n: C[n][c_order] for n, _ in COLL_BLOCK_FIELDS}
+        # per-group blocks
+        s_starts = np.r_[0, np.cumsum(n_ranks)]
+        c_starts = np.r_[0, np.cumsum(n_coll)]
         run_ids = gkeys >> 32
         steps = gkeys & 0xFFFFFFFF
-        out_rows = []
-        new_steps = 0
-        for g in range(n_groups):
-            a, b = s_starts[g], s_starts[g + 1]
-            ca, cb = c_starts[g], c_starts[g + 1]
-            if gkeys[g] not in old_keys:
-                new_steps += 1
-            if a == b:
-                # collectives without their rank-step rows yet: keep them in the block, no rollup
-                block = encode_block(STEP_BLOCK_FIELDS, {n: Ss[n][a:b] for n in names})
-                rank_bits = ""
-            else:
-                block = encode_block(STEP_BLOCK_FIELDS, {n: Ss[n][a:b] for n in names})
-                rank_bits = bits_of(Ss["rank"][a:b])
-            coll_block = encode_block(COLL_BLOCK_FIELDS, {n: Cs[n][ca:cb] for n, _ in COLL_BLOCK_FIELDS}) if cb > ca else None
-            out_rows.append(
-                (
-                    int(run_ids[g]),
-                    int(steps[g]),
-                    int(n_ranks[g]),
-                    *(_f(roll[c][g]) for c in ("ts", "step_s", "data_s", "compute_s", "comm_exposed_s", "other_s",
-                                                "comm_total_s", "forward_s", "backward_s", "optimizer_s",
-                                                "step_s_max", "work_s", "work_s_max")),
-                    int(slow[g]) if slow[g] >= 0 else None,
-                    *(_f(roll[c][g]) for c in ("tokens", "padded_tokens", "samples", "flops", "mem_peak_bytes",
-                                                "mem_reserved_bytes", "alloc_retries")),
-                    int(neg[g]),
-                    int(n_coll[g]),
-                    rank_bits,
-                    block,
-                    coll_block,
-                )
-            )
-        cur.execute(f"CREATE TEMP TABLE _new_steps ON COMMIT DROP AS SELECT {_STEP_COLS} FROM steps LIMIT 0")
-        with cur.copy(f"COPY _new_steps ({_STEP_COLS}) FROM STDIN") as cp:
-            for row in out_rows:
-                cp.write_row(row)
-        upd = ", ".join(f"{c.strip()} = excluded.{c.strip()}" for c in _STEP_COLS.split(",")[2:])
+        floats = np.stack([roll[c] for c in _ROLL_FLOATS], axis=1)
+        copy_types = ["int4", "int4", "int4", *(["float8"] * 13), "int4", *(["float8"] * 7), "int4", "int4",
+                      "text", "bytea", "bytea"]  # fmt: skip
         cur.execute(
-            f"INSERT INTO steps ({_STEP_COLS}) SELECT {_STEP_COLS} FROM _new_steps "
+            f"CREATE TEMP TABLE _new_steps ON COMMIT DROP AS SELECT {_STEP_COLS.replace(', ranks,', ', ranks::text AS ranks,')} "
+            "FROM steps LIMIT 0"
+        )
+        with cur.copy(f"COPY _new_steps ({_STEP_COLS}) FROM STDIN (FORMAT BINARY)") as cp:
+            cp.set_types(copy_types)
+            for g in range(n_groups):
+                a, b = s_starts[g], s_starts[g + 1]
+                ca, cb = c_starts[g], c_starts[g + 1]
+                block = encode_block(STEP_BLOCK_FIELDS, {n: S[n][a:b] for n in names})
+                rank_bits = bits_of(S["rank"][a:b]) if b > a else ""
+                coll_block = encode_block(COLL_BLOCK_FIELDS, {n: C[n][ca:cb] for n, _ in COLL_BLOCK_FIELDS}) if cb > ca else None
+                fl = [None if x != x else x for x in floats[g].tolist()]
+                cp.write_row((
+                    int(run_ids[g]), int(steps[g]), int(n_ranks[g]), *fl[:13],
+                    int(slow[g]) if slow[g] >= 0 else None, *fl[13:],
+                    int(neg[g]), int(n_coll[g]), rank_bits, block, coll_block,
+                ))  # fmt: skip
+        upd = ", ".join(f"{c.strip()} = excluded.{c.strip()}" for c in _STEP_COLS.split(",")[2:])
+        sel = _STEP_COLS.replace(", ranks,", ", ranks::varbit,")
+        cur.execute(
+            f"INSERT INTO steps ({_STEP_COLS}) SELECT {sel} FROM _new_steps "
             f"ON CONFLICT (run_id, step) DO UPDATE SET {upd}"
         )
         res.steps = n_groups
@@ -427,12 +414,14 @@ class Compactor:
             fold(cur, S=S, C=C, gid=gid, cgid=cgid, gkeys=gkeys)
         # per-run counters
         per_run: dict[int, list[int]] = {}
+        had = np.bincount(gid, weights=S["is_old"], minlength=n_groups)
+        became = (n_ranks > 0) & (had == 0)  # steps that now have rank-step rows for the first time
         for r in np.unique(run_ids):
             r = int(r)
             in_run = run_ids == r
             new_s = int(((~S["is_old"]) & (S["run_id"] == r)).sum())
             new_c = int(((~C["is_old"]) & (C["run_id"] == r)).sum())
-            n_new_steps = sum(1 for g in np.flatnonzero(in_run) if gkeys[g] not in old_keys and s_starts[g + 1] > s_starts[g])
+            n_new_steps = int((became & in_run).sum())
             per_run[r] = [new_s, new_c, n_new_steps, int(steps[in_run].max())]
             res.runs.add(r)
         cur.executemany(
@@ -440,7 +429,6 @@ class Compactor:
             "steps = steps + %s, last_step = greatest(last_step, %s), last_seen_at = now() WHERE id = %s",
             [(*v, k) for k, v in per_run.items()],
         )
-        del new_steps
 
     def _fold_modalities(self, cur: Any, mods: list) -> None:
         agg: dict[tuple[int, int, str], dict[int, int]] = {}
@@ -496,14 +484,40 @@ def _f(x: float) -> float | None:
     return None if np.isnan(x) else float(x)
 
 
-def _dedup(cols: dict[str, np.ndarray], key: tuple[str, ...]) -> tuple[dict[str, np.ndarray], int]:
-    """Keep the first row of each key (existing block rows come first, so they win)."""
-    n = len(cols[key[0]])
+def _sort_dedup(cols: dict[str, np.ndarray], key: np.ndarray, key2: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], int]:
+    """Rows sorted by (key, key2), keeping the first of equal keys (stable: earlier rows win)."""
+    n = len(key)
     if n == 0:
-        return cols, 0
-    order = np.lexsort(tuple(cols[k] for k in reversed(key)) + ())
-    # stable: lexsort is stable, so among equal keys the earlier (existing) row stays first
-    sk = np.stack([cols[k][order] for k in key], axis=1)
-    first = np.r_[True, np.any(sk[1:] != sk[:-1], axis=1)]
-    keep = np.sort(order[first])
-    return {k: v[keep] for k, v in cols.items()}, n - len(keep)
+        return {**cols, "_key": key}, 0
+    if key2 is None:
+        diff = np.diff(key)
+        if (diff > 0).all():  # already sorted and unique (the common case)
+            return {**cols, "_key": key}, 0
+        order = np.argsort(key, kind="stable")
+        sk = key[order]
+        first = np.r_[True, sk[1:] != sk[:-1]]
+    else:
+        order = np.lexsort((key2, key))
+        sk, sk2 = key[order], key2[order]
+        first = np.r_[True, (sk[1:] != sk[:-1]) | (sk2[1:] != sk2[:-1])]
+    keep = order[first]
+    out = {k: v[keep] for k, v in cols.items()}
+    out["_key"] = key[keep]
+    return out, n - len(keep)
+
+
+def _grouped_medians(cols: list[np.ndarray], gid: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+    """Per-group medians (NaN ignored) of several columns whose rows are sorted by group."""
+    n_groups = len(counts)
+    if n_groups and len(gid) and (counts == counts[0]).all() and counts[0] > 0:
+        k = int(counts[0])
+        stacked = np.stack(cols).reshape(len(cols), n_groups, k)
+        if not np.isnan(stacked).any():
+            return list(np.median(stacked, axis=2))
+        with np.errstate(all="ignore"):
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                return list(np.nanmedian(stacked, axis=2))
+    return [grouped_median(c, gid, n_groups) for c in cols]

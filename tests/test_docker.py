@@ -1,0 +1,47 @@
+"""No Docker daemon here: check what can be checked — the compose file parses, and its commands and
+environment match the CLI (the same options `fleetscope serve` accepts)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_compose_file_parses_and_wires_postgres_server_and_prometheus() -> None:
+    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    svc = doc["services"]
+    assert svc["postgres"]["image"].startswith("postgres:16")
+    fs = svc["fleetscope"]
+    assert fs["build"]["dockerfile"] == "docker/Dockerfile" and (ROOT / fs["build"]["dockerfile"]).is_file()
+    cmd = fs["command"]
+    assert cmd[0] == "serve" and "--database-url" in cmd
+    url = cmd[cmd.index("--database-url") + 1]
+    assert re.match(r"postgresql://fleetscope:.*@postgres:5432/fleetscope", url)
+    assert fs["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert all(p.startswith("127.0.0.1:") for p in fs["ports"])  # loopback unless told otherwise
+    assert set(fs["environment"]) <= {"FLEETSCOPE_PUBLIC_URL", "FLEETSCOPE_SLACK_WEBHOOK_URL"}
+    prom = svc["prometheus"]
+    assert prom["profiles"] == ["monitoring"]
+    scrape = yaml.safe_load((ROOT / "docker" / "prometheus.yml").read_text())["scrape_configs"][0]
+    assert scrape["metrics_path"] == "/metrics" and scrape["static_configs"][0]["targets"] == ["fleetscope:8000"]
+
+
+def test_compose_and_dockerfile_commands_are_accepted_by_the_cli() -> None:
+    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    cmd = [c.replace("${FLEETSCOPE_DB_PASSWORD:-fleetscope}", "pw") for c in doc["services"]["fleetscope"]["command"]]
+    # --help after the options: typer parses every option given (an unknown one fails) and exits 0
+    out = subprocess.run([sys.executable, "-m", "fleetscope.cli", *cmd, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    entry = re.search(r'CMD \[(.*)\]', dockerfile).group(1)  # type: ignore[union-attr]
+    args = [a.strip().strip('"') for a in entry.split(",")]
+    out = subprocess.run([sys.executable, "-m", "fleetscope.cli", *args, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for folder in ("fleetscope", "agent", "server", "dashboard", "migrations"):
+        assert f"COPY {folder} ./{folder}" in dockerfile

@@ -1,0 +1,126 @@
+"""`fleetscope simulate`: one synthetic run sent through the real agent transport.
+
+Same code path as a training job (``fleetscope.agent.transport.Transport``: bounded queue,
+background sender, batching, retries, disk spool), one transport for all simulated ranks.
+Deterministic per ``--seed``: running it twice with the same ``--run`` and ``--seed`` leaves exactly
+the same data (the server's keys deduplicate the re-sent records).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Optional
+
+import typer
+
+__all__ = ["simulate", "parse_straggler", "run_simulation"]
+
+
+def parse_straggler(value: str | None) -> dict[int, float]:
+    """``"R"`` or ``"R:FACTOR"`` (default factor 1.3) → {rank: factor}; several comma-separated."""
+    out: dict[int, float] = {}
+    if not value:
+        return out
+    for part in value.split(","):
+        rank_s, _, factor_s = part.strip().partition(":")
+        try:
+            rank = int(rank_s)
+            factor = float(factor_s) if factor_s else 1.3
+        except ValueError:
+            raise typer.BadParameter(f"--straggler expects RANK[:FACTOR], got {part!r}") from None
+        if rank < 0 or factor <= 0:
+            raise typer.BadParameter(f"--straggler rank must be >= 0 and factor > 0, got {part!r}")
+        out[rank] = factor
+    return out
+
+
+def run_simulation(
+    *,
+    server: str,
+    token: str | None,
+    run: str,
+    family: str,
+    ranks: int,
+    steps: int,
+    seed: int = 0,
+    straggler: dict[int, float] | None = None,
+    gpu: str = "H100",
+    step_ms: float | None = None,
+    realtime: bool = False,
+    spool_dir: str | None = None,
+    flush_timeout_s: float = 120.0,
+) -> dict:
+    """Send the run; returns the transport's counters. Raises RuntimeError if anything was lost."""
+    from fleetscope.agent.config import AgentConfig
+    from fleetscope.agent.transport import Transport
+
+    from .synthetic import RunSpec, collective_rows, rank_step_rows
+
+    spec = RunSpec(name=run, family=family, world_size=ranks, steps=steps, seed=seed, straggler=straggler or {},
+                   gpu=gpu, step_ms=step_ms)
+    if realtime:
+        spec.start_ts = time.time()
+    info = spec.run_info()
+    cfg = AgentConfig.from_env(server=server, token=token, spool_dir=spool_dir, offline=False, disabled=False,
+                               queue_max_records=max(200_000, 8 * ranks * 5), batch_max_records=max(5000, ranks * 5),
+                               exit_timeout_s=flush_timeout_s)
+    tr = Transport(cfg, info)
+    for r in range(ranks):
+        tr.submit("rank", {"rank": r, "host": spec.host_of(r), "node": spec.host_of(r),
+                           "local_rank": r % spec.gpus_per_node, "device": gpu})
+    pending = 0
+    t0 = time.monotonic()
+    for step, rows in rank_step_rows(spec):
+        for row in rows:
+            tr.submit("rank_step", row)
+        for c in collective_rows(spec, step, rows):
+            tr.submit("collective", c)
+        pending += 5 * len(rows)
+        if realtime:
+            due = t0 + (step + 1) * (step_ms or 1000.0) / 1e3
+            time.sleep(max(0.0, due - time.monotonic()))
+        if pending >= cfg.queue_max_records // 2:
+            tr.flush(timeout=flush_timeout_s)  # pace the producer: a simulation may wait, a job never does
+            pending = 0
+    tr.finish_run("finished")
+    tr.flush(timeout=flush_timeout_s)
+    tr.close(timeout=flush_timeout_s)
+    stats = tr.stats()
+    lost = sum((stats.get("dropped") or {}).values())
+    if lost:
+        raise RuntimeError(f"simulate lost {lost} records: {stats.get('dropped')}")
+    return stats
+
+
+def simulate(
+    server: Annotated[str, typer.Option("--server", envvar="FLEETSCOPE_SERVER", help="fleetscope server base URL")],
+    run: Annotated[str, typer.Option("--run", help="run name (idempotent)")],
+    family: Annotated[str, typer.Option("--family", help="model family, e.g. vla-7b, llm-70b, vit-h, video-dit-3b")],
+    ranks: Annotated[int, typer.Option("--ranks", min=1, max=65536, help="world size")],
+    steps: Annotated[int, typer.Option("--steps", min=1, help="steps to send")],
+    token: Annotated[Optional[str], typer.Option("--token", envvar="FLEETSCOPE_TOKEN")] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    straggler: Annotated[Optional[str], typer.Option("--straggler", help="RANK[:FACTOR], e.g. 17:1.3")] = None,
+    gpu: Annotated[str, typer.Option("--gpu", help="device type (peak FLOP/s from metrics.md)")] = "H100",
+    step_ms: Annotated[Optional[float], typer.Option("--step-ms", min=1.0, help="median step time in ms")] = None,
+    realtime: Annotated[bool, typer.Option("--realtime", help="emit steps at the step time, like a live job")] = False,
+) -> None:
+    """Send one synthetic run through the real agent transport (same code path as a training job)."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    strag = parse_straggler(straggler)
+    bad = [r for r in strag if r >= ranks]
+    if bad:
+        raise typer.BadParameter(f"--straggler rank {bad[0]} is not < --ranks {ranks}")
+    try:
+        stats = run_simulation(server=server, token=token, run=run, family=family, ranks=ranks, steps=steps,
+                               seed=seed, straggler=strag, gpu=gpu, step_ms=step_ms, realtime=realtime)
+    except RuntimeError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    spooled = stats.get("spooled", 0)
+    typer.echo(f"sent run {run!r}: {ranks} ranks x {steps} steps ({stats.get('sent', 0)} records sent"
+               + (f", {spooled} spooled for later upload" if spooled else "") + ")")
+    if spooled:
+        raise typer.Exit(1)

@@ -68,8 +68,8 @@ def make_rows(ranks: int, steps: int, seed: int = 0) -> tuple[list[tuple], list[
 def encode_batches(run_id: int, rows: list[tuple], colls: list[tuple], per_batch: int) -> list[tuple[bytes, dict]]:
     out = []
     for i in range(0, len(rows), per_batch):
-        b = {"v": 1, "run_id": run_id, "rank_steps": columnar(rows[i : i + per_batch], RANK_STEP_FIELDS),
-             "collectives": columnar(colls[4 * i : 4 * (i + per_batch)], COLLECTIVE_FIELDS)}
+        b = {"v": 1, "run_id": run_id, "rank_steps": columnar(rows[i : i + per_batch], RANK_STEP_FIELDS, binary=True),
+             "collectives": columnar(colls[4 * i : 4 * (i + per_batch)], COLLECTIVE_FIELDS, binary=True)}
         out.append(encode_batch(b))
     return out
 

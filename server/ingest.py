@@ -212,13 +212,13 @@ def encode_fragment(b: ValidBatch) -> tuple[int, int, int, int, bytes | None, by
         nan = np.full(n_rs, np.nan)
         cols = {name: rs.get(name, nan) for name, _ in FRAG_STEP_FIELDS}
         cols["flags"] = np.nan_to_num(rs["flags"]) if "flags" in rs else np.zeros(n_rs)
-        rs_blob = encode_block(FRAG_STEP_FIELDS, cols, compress=False)
+        rs_blob = encode_block(FRAG_STEP_FIELDS, cols, compress=True)
         steps_all.append(rs["step"])
     if cs:
         n_cs = len(cs["rank"])
         nan = np.full(n_cs, np.nan)
         cols = {name: cs.get(name, nan) for name, _ in FRAG_COLL_FIELDS}
-        cs_blob = encode_block(FRAG_COLL_FIELDS, cols, compress=False)
+        cs_blob = encode_block(FRAG_COLL_FIELDS, cols, compress=True)
         steps_all.append(cs["step"])
     st = np.concatenate(steps_all)
     return n_rs, n_cs, int(st.min()), int(st.max()), rs_blob, cs_blob

@@ -94,18 +94,23 @@ def _column(section: str, f: Field, values: Any, n: int, index_map: list[int] | 
     if len(values) != n:
         raise BatchError(where, f"has {len(values)} values but the section has {n} records")
     if f.type == "str":
+        if f.name == "op":
+            get = OP_CODE.get
+            try:
+                codes = np.array([get(v, -1) for v in values], dtype=np.int16)
+            except TypeError:  # an unhashable value (list, dict)
+                codes = np.array([get(v, -1) if isinstance(v, str) else -1 for v in values], dtype=np.int16)
+            if n and codes.min() < 0:
+                i = int(np.argmax(codes < 0))
+                raise BatchError(
+                    _loc(section, i, f.name, index_map),
+                    f"unknown collective op (expected one of {', '.join(COLLECTIVE_OPS)})",
+                    got=values[i],
+                )
+            return codes
         bad = next((i for i, v in enumerate(values) if not isinstance(v, str)), None)
         if bad is not None:
             raise BatchError(_loc(section, bad, f.name, index_map), "must be a string", got=values[bad])
-        if f.name == "op":
-            bad = next((i for i, v in enumerate(values) if v not in OP_CODE), None)
-            if bad is not None:
-                raise BatchError(
-                    _loc(section, bad, f.name, index_map),
-                    f"unknown collective op (expected one of {', '.join(COLLECTIVE_OPS)})",
-                    got=values[bad],
-                )
-            return np.fromiter((OP_CODE[v] for v in values), dtype=np.int16, count=n)
         bad = next((i for i, v in enumerate(values) if not v or len(v) > 64), None)
         if bad is not None:
             raise BatchError(_loc(section, bad, f.name, index_map), "must be 1..64 characters", got=values[bad])

@@ -1,1 +1,304 @@
-"""In-job agent (placeholder until the agent lands)."""
+"""fleetscope's in-job agent: measures each rank's steps, phases, collectives, memory and MFU.
+
+::
+
+    import fleetscope.agent as fs
+    run = fs.init(name="exp-42", model_family="vla-7b", config={...})   # every rank calls it
+    run.instrument(model=model, optimizer=opt, dataloader=loader)         # optional: automatic
+    for batch in loader:
+        with run.step(tokens=n_tokens, samples=n_samples):                 # or manual steps
+            with run.phase("forward"): ...
+    run.finish()
+
+Importing this package imports neither torch nor the server or dashboard; torch is touched only by
+the PyTorch integration, once the training script has imported it. See docs/agent.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from .config import AgentConfig
+from .run import FLAG_FLOPS_MEASURED, FLAG_NEGATIVE_RESIDUAL, NoopRun, Phase, Run, Step, get_run
+
+__all__ = [
+    "init",
+    "get_run",
+    "finish",
+    "Run",
+    "Step",
+    "Phase",
+    "NoopRun",
+    "AgentConfig",
+    "FLAG_NEGATIVE_RESIDUAL",
+    "FLAG_FLOPS_MEASURED",
+]
+
+log = logging.getLogger(__name__)
+
+_NOOP_RUN = NoopRun()
+_hooks_installed = False
+_crashed = False
+
+
+def _default_name(job_id: str | None) -> str:
+    script = os.path.splitext(os.path.basename(sys.argv[0] or "python"))[0] or "python"
+    if job_id and job_id != "none":
+        return f"{script}-{job_id}"
+    return script
+
+
+def init(
+    name: str | None = None,
+    *,
+    model_family: str | None = None,
+    config: dict[str, Any] | None = None,
+    flops_per_step: float | None = None,
+    flops_per_token: float | None = None,
+    transformer: dict[str, int] | None = None,
+    peak_flops: float | None = None,
+    dtype: str | None = "bf16",
+    start_step: int = 0,
+    mp_size: int | None = None,
+    meta: dict[str, Any] | None = None,
+    agent_config: AgentConfig | None = None,
+    transport: Any = None,
+    **agent_settings: Any,
+) -> Run | NoopRun:
+    """Start (or join: all ranks of a job land in one run, by name) a run and return it.
+
+    ``flops_per_step``/``flops_per_token`` give the model FLOPs (source "given"); ``transformer`` =
+    ``{"params", "layers", "heads", "head_dim", "seq_len"}`` estimates them by the PaLM formula
+    ("estimated"); otherwise they are measured once with FlopCounterMode ("measured").
+    ``peak_flops`` overrides the per-device table (mfu.py); ``mp_size`` = TP×PP ranks per data-parallel
+    replica (tokens are counted once per replica). ``agent_settings`` are ``AgentConfig``
+    fields (``server=``, ``token=``, ``offline=``, ``disabled=`` ...) over the FLEETSCOPE_* variables.
+    ``transport`` is a factory ``(AgentConfig, run_info) -> Transport`` (tests). Never raises because of
+    the environment: on an internal error it logs and returns a disabled run.
+    """
+    # a wrong agent setting is the caller's bug: AgentConfig raises it now, precisely
+    cfg = agent_config if agent_config is not None else AgentConfig.from_env(**agent_settings)
+    if cfg.disabled:
+        return _NOOP_RUN
+    try:
+        return _init(
+            cfg,
+            name=name,
+            model_family=model_family,
+            config=config,
+            flops_per_step=flops_per_step,
+            flops_per_token=flops_per_token,
+            transformer=transformer,
+            peak_flops=peak_flops,
+            dtype=dtype,
+            start_step=start_step,
+            mp_size=mp_size,
+            meta=meta,
+            transport=transport,
+        )
+    except Exception as e:  # noqa: BLE001 - the training job must run even if the agent cannot
+        log.warning("fleetscope agent disabled: init failed: %r", e)
+        return _NOOP_RUN
+
+
+def _init(
+    cfg: AgentConfig,
+    *,
+    name: str | None,
+    model_family: str | None,
+    config: dict[str, Any] | None,
+    flops_per_step: float | None,
+    flops_per_token: float | None,
+    transformer: dict[str, int] | None,
+    peak_flops: float | None,
+    dtype: str | None,
+    start_step: int,
+    mp_size: int | None,
+    meta: dict[str, Any] | None,
+    transport: Any,
+) -> Run:
+    from . import env, mfu
+    from . import run as run_mod
+
+    previous = get_run()
+    if previous is not None:
+        log.warning("fleetscope: init() while run %r is active: finishing it first", previous.name)
+        previous.finish()
+
+    rank_env = env.detect_rank()
+    clock_kind = getattr(cfg, "clock", "auto")
+    device = env.detect_device(rank_env.local_rank, clock_kind)
+    versions = env.detect_versions()
+
+    per_token = None
+    if flops_per_step is not None or flops_per_token is not None:
+        source: str | None = "given"
+        per_token = float(flops_per_token) if flops_per_token is not None else None
+    elif transformer is not None:
+        source = "estimated"
+        per_token = mfu.palm_flops_per_token(
+            params=transformer["params"],
+            layers=transformer["layers"],
+            heads=transformer["heads"],
+            head_dim=transformer["head_dim"],
+            seq_len=transformer["seq_len"],
+        )
+    elif cfg.measure_flops and "torch" in sys.modules:
+        source = "measured"  # by FlopCounterMode over the first step (an "flops" event carries it)
+    else:
+        source = None
+    peak = float(peak_flops) if peak_flops is not None else mfu.peak_flops(device.device_type, dtype)
+
+    run_name = name or os.environ.get("FLEETSCOPE_RUN_NAME") or _default_name(rank_env.job_id)
+    run_meta: dict[str, Any] = {
+        "host": rank_env.host,
+        "node": rank_env.node,
+        "rank": rank_env.rank,
+        "local_rank": rank_env.local_rank,
+        "node_rank": rank_env.node_rank,
+        "job_id": rank_env.job_id,
+        "launcher": rank_env.launcher,
+        "device_name": device.device_name,
+        "dtype": dtype,
+        "flops_source": source,
+        "peak_flops_source": "given" if peak_flops is not None else ("table" if peak else None),
+        "agent": "fleetscope",
+        **versions,
+    }
+    if source == "given" and flops_per_step is not None:
+        run_meta["flops_per_step"] = float(flops_per_step)
+    if per_token is not None:
+        run_meta["flops_per_token"] = per_token
+    if meta:
+        run_meta.update(meta)
+    run_info: dict[str, Any] = {
+        "name": run_name,
+        "model_family": model_family,
+        "config": dict(config or {}),
+        "world_size": rank_env.world_size,
+        "device_type": device.device_type,
+        "device_count": device.device_count,
+        "peak_flops": peak,
+        "git_commit": env.git_commit(),
+        "started_at": time.time(),
+        "meta": run_meta,
+    }
+    if mp_size is not None:
+        run_info["mp_size"] = int(mp_size)
+
+    factory = transport if transport is not None else _transport_factory()
+    try:
+        tx = factory(cfg, run_info)
+    except Exception as e:  # noqa: BLE001
+        log.warning("fleetscope: transport failed to start (%r); records are dropped", e)
+        tx = _NullTransport(cfg, run_info)
+
+    run = Run(
+        config=cfg,
+        transport=tx,
+        run_info=run_info,
+        rank=rank_env.rank,
+        world_size=rank_env.world_size,
+        start_step=start_step,
+        flops_per_step=float(flops_per_step) if flops_per_step is not None else None,
+        flops_per_token=per_token,
+        flops_source=source,
+    )
+    tx.submit(
+        "rank",
+        {
+            "rank": rank_env.rank,
+            "host": rank_env.host,
+            "node": rank_env.node,
+            "local_rank": rank_env.local_rank,
+            "device": device.device_name,
+        },
+    )
+    run._ensure_collectives()  # record collectives from now on, with or without instrument()
+    run_mod._set_active(run)
+    _install_process_hooks()
+    return run
+
+
+def finish(status: str = "finished", timeout: float | None = None) -> None:
+    """Finish the active run, if any (``Run.finish``)."""
+    run = get_run()
+    if run is not None:
+        run.finish(status, timeout=timeout)
+
+
+class _NullTransport:
+    """Used when no transport can run: accepts and drops everything, counting it."""
+
+    def __init__(self, config: Any, run_info: dict[str, Any]) -> None:
+        self.dropped = 0
+
+    def submit(self, kind: str, record: Any) -> None:
+        self.dropped += 1
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return False
+
+    def close(self, timeout: float | None = None) -> None:
+        return None
+
+    def finish_run(self, status: str) -> None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {"dropped": self.dropped, "transport": "none"}
+
+
+def _transport_factory() -> Any:
+    try:
+        from .transport import Transport
+    except ImportError as e:
+        log.warning("fleetscope: agent transport unavailable (%r); records are dropped", e)
+        return _NullTransport
+    return Transport
+
+
+def _install_process_hooks() -> None:
+    """At exit, finish a run the script did not finish ("failed" after an uncaught exception); in a
+    forked child (DataLoader workers), make the inherited run inert."""
+    global _hooks_installed
+    # (re-)registered at every init: atexit runs last-registered first, so the run is finished
+    # before the transport that init just created closes itself at exit
+    atexit.unregister(_at_exit)
+    atexit.register(_at_exit)
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    previous = sys.excepthook
+
+    def excepthook(et: Any, ev: Any, tb: Any) -> None:
+        global _crashed
+        _crashed = True
+        previous(et, ev, tb)
+
+    sys.excepthook = excepthook
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _after_fork_in_child() -> None:
+    run = get_run()
+    if run is not None:
+        try:
+            run._make_inert()
+        except Exception:  # noqa: BLE001 - never break the child
+            pass
+
+
+def _at_exit() -> None:
+    run = get_run()
+    if run is not None and not run.finished:
+        try:
+            run.finish("failed" if _crashed else "finished")
+        except Exception:  # noqa: BLE001
+            pass

@@ -44,10 +44,22 @@ class AgentConfig:
     backoff_max_s: float = 10.0
     spool_max_bytes: int = 512 * 1024 * 1024
     """Cap of the disk spool; beyond it the oldest frames are dropped and counted."""
+    spool_segment_max_bytes: int = 8 * 1024 * 1024
+    """Seal (fsync + rename) a spool segment once it holds this many bytes; also the replay read size."""
     exit_timeout_s: float = 5.0
     """Budget of the flush at exit/finish; what is left is spooled, never waited on."""
     collective_aggregate_threshold: int = 64
     """Above this many collective calls in one step, aggregate per (op, group, size bucket)."""
+    collectives: bool = True
+    """Record torch.distributed collectives (wraps its functions once init ran)."""
+    measure_flops: bool = True
+    """Without given/estimated FLOPs, count them once with FlopCounterMode over the first step."""
+    memory_every_steps: int = 1
+    """Sample memory every N steps (0 = never)."""
+    clock: str = "auto"
+    """Step timing: "cuda" (events, resolved lazily), "cpu" (monotonic), "auto" (CUDA once initialised)."""
+    max_pending_steps: int = 256
+    """GPU: steps whose events are not yet complete, kept at most; older ones are dropped and counted."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -58,6 +70,8 @@ class AgentConfig:
             raise ValueError(f"AgentConfig.batch_max_records must be >= 1, got {self.batch_max_records}")
         if self.queue_max_records < self.batch_max_records:
             raise ValueError("AgentConfig.queue_max_records must be >= batch_max_records")
+        if self.clock not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"AgentConfig.clock must be 'auto', 'cpu' or 'cuda', got {self.clock!r}")
         if self.server is not None:
             self.server = self.server.rstrip("/")
 

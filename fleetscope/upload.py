@@ -38,7 +38,12 @@ def _segments(directory: Path) -> tuple[list[Path], list[Path]]:
         if not (name.endswith(SEALED_SUFFIX) or name.endswith(OPEN_SUFFIX)):
             continue
         info = parse_name(name)
-        if info is not None and info["suffix"] == OPEN_SUFFIX and info["host"] == host and pid_alive(info["pid"]):
+        if (
+            info is not None
+            and info["suffix"] == OPEN_SUFFIX
+            and info["host"] == host
+            and pid_alive(info["pid"])
+        ):
             live.append(directory / name)  # still being written: leave it to its owner
             continue
         todo.append(directory / name)
@@ -65,8 +70,11 @@ def upload(
     if not directory.is_dir():
         raise FileNotFoundError(f"spool directory {str(directory)!r} does not exist")
     client = Client(
-        server, token,
-        request_timeout_s=request_timeout_s, backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
+        server,
+        token,
+        request_timeout_s=request_timeout_s,
+        backoff_initial_s=backoff_initial_s,
+        backoff_max_s=backoff_max_s,
     )
     out: dict[str, Any] = {
         "files": 0,
@@ -106,16 +114,19 @@ def upload(
                     out["errors"].append(f"{path}: corrupt frame at byte {frame.offset} skipped ({e})")
                     bad += 1
                     continue
-                res = client.deliver(payload["run_info"], payload, frame.records,
-                                     deadline=time.monotonic() + retry_deadline_s)
+                res = client.deliver(
+                    payload["run_info"], payload, frame.records, deadline=time.monotonic() + retry_deadline_s
+                )
                 out["records"] += res.sent
                 out["batches"] += res.batches
                 out["finished_runs"] += res.finished
                 for reason, k in res.dropped.items():
                     out["dropped"][reason] = out["dropped"].get(reason, 0) + k
                 if res.unsent:
-                    stopped = (f"{path}: server {res.reason or 'unreachable'}; upload stopped, "
-                               f"{len(todo) - i} file(s) stay in the spool")
+                    stopped = (
+                        f"{path}: server {res.reason or 'unreachable'}; upload stopped, "
+                        f"{len(todo) - i} file(s) stay in the spool"
+                    )
                     break
                 out["frames"] += 1
                 rid = client.cached_run_id(payload["run_info"])

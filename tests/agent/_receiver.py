@@ -3,8 +3,9 @@
 ``POST /api/v1/runs`` (idempotent by name), ``POST /api/v1/runs/{id}/finish`` and
 ``POST /api/v1/ingest`` (gzip + msgpack or JSON) are answered; every accepted batch is decoded and
 kept in arrival order. ``plan`` scripts the next ingest answers: "ok", an int status (500, 401, 422,
-...), ("status", code, retry_after), "garbage" (not HTTP), "close" (drop the connection), "hang"
-(answer nothing until released). ``max_records`` makes larger batches get 413.
+...), ("status", code, retry_after), ("invalid_row", i) (a 422 naming record i), "garbage" (not
+HTTP), "close" (drop the connection), "hang" (answer nothing until released), "hold" (answer once
+released). ``max_records`` makes larger batches get 413.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle/delayed-ACK stalls
         with self.receiver.lock:
             self.receiver._conns.add(self.connection)
 
@@ -182,7 +184,16 @@ class _Handler(BaseHTTPRequestHandler):
             return
         with r.lock:
             behaviour = r.plan.popleft() if r.plan else r.default
-            r.log.append((path, behaviour if isinstance(behaviour, (int, str)) else behaviour[1]))
+            r.log.append(
+                (
+                    path,
+                    behaviour
+                    if isinstance(behaviour, (int, str))
+                    else 422
+                    if behaviour[0] == "invalid_row"
+                    else behaviour[1],
+                )
+            )
         r.ingest_started.set()
         if behaviour == "hang":
             r.release.wait(30)
@@ -199,6 +210,10 @@ class _Handler(BaseHTTPRequestHandler):
         if behaviour == "hold":  # answer normally, but only once released
             r.release.wait(30)
             behaviour = "ok"
+        if isinstance(behaviour, tuple) and behaviour[0] == "invalid_row":  # 422 naming one record
+            where = f"rank_steps.step_s[{behaviour[1]}]"
+            self._answer(422, {"detail": {"error": f"{where}: must be >= 0", "where": where, "got": -1.0}})
+            return
         if isinstance(behaviour, tuple):
             _, status, retry_after = behaviour
             self._answer(status, {"detail": "busy"}, {"Retry-After": str(retry_after)})

@@ -36,7 +36,7 @@ def test_runs_list_filters_and_summary_follow_the_contract(live_server: Any) -> 
     # medians of the components add up to about the median step (each is a median, not a sum)
     assert abs(d["data_s"] + d["compute_s"] + d["comm_exposed_s"] + d["other_s"] - d["step_s"]) / d["step_s"] < 0.05
     assert 0 < s["mfu"] < 1 and s["mfu_estimated"] is True and s["tokens_per_s"] > 0
-    assert s["stragglers"] == [] and s["bottlenecks"] == []
+    assert isinstance(s["stragglers"], list) and isinstance(s["bottlenecks"], list)  # filled by the analysis layer
     colls = httpx.get(f"{live_server.url}/api/v1/runs/{a}/collectives").json()["collectives"]
     ar = [c for c in colls if c["op"] == "all_reduce"]
     assert ar and all(c["group_size"] == 4 for c in ar)

@@ -1,0 +1,311 @@
+"""Record torch.distributed collectives: op, group size, bytes, duration, exposed vs overlapped.
+
+``install(run)`` replaces the public collective functions of ``torch.distributed`` (and the same names
+in ``torch.distributed.distributed_c10d``, so that library code calling either module is seen) with
+thin wrappers, and ``Work.wait`` with a timed version for the works those wrappers returned.
+
+Per call the wrapper takes two clock marks and appends one call record to the current step:
+
+* a blocking call (``async_op=False``) on the training thread: the whole call is exposed — the thread
+  waited — and is charged to ``comm_exposed_s`` (on GPU: CUDA events on the current stream, whose gap
+  is the stream's stall on the collective; a call issued on a side stream counts as overlapped);
+* ``async_op=True``: the issue is timed; completion is taken from the work's future callback (gloo:
+  the moment the work finishes, on its thread; NCCL: an event recorded on a stream that waits for the
+  collective), and ``work.wait()`` on the training thread is the exposed part;
+* DDP's gradient buckets do not go through Python collectives (the C++ reducer calls the process
+  group). ``torch_hooks.instrument`` registers :func:`ddp_allreduce_hook` — the default all-reduce hook
+  plus timing — so buckets are recorded as ``all_reduce`` calls. Their exposed part is the tail of
+  backward: the reducer waits for all buckets right after the last one is issued, so exposure =
+  (last bucket completion − last bucket issue), partitioned over buckets (``Run._emit_collectives``).
+
+``bytes`` follows NCCL-tests' "size" (the number its algbw divides by; busbw = algbw × wire.busbw_factor):
+all_reduce, broadcast, reduce, send/recv: the tensor; all_gather: the gathered output (n × the
+per-rank input); reduce_scatter and all_to_all: the full per-rank input; gather/scatter: the per-rank
+chunk; barrier: 0.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import weakref
+from typing import Any
+
+__all__ = ["install", "uninstall", "installed", "ddp_allreduce_hook", "WRAPPED", "message_bytes"]
+
+log = logging.getLogger(__name__)
+
+#: function name -> (wire op, bytes rule, always async). Rules: "t0"/"t1" = that positional tensor,
+#: "l0"/"l1" = sum over that tensor list, "ll0" = sum over a list of lists, "" = 0 bytes.
+WRAPPED: dict[str, tuple[str, str, bool]] = {
+    "all_reduce": ("all_reduce", "t0", False),
+    "all_reduce_coalesced": ("all_reduce", "l0", False),
+    "broadcast": ("broadcast", "t0", False),
+    "reduce": ("reduce", "t0", False),
+    "all_gather": ("all_gather", "l0", False),
+    "all_gather_single": ("all_gather", "t0", False),
+    "all_gather_into_tensor": ("all_gather", "t0", False),
+    "_all_gather_base": ("all_gather", "t0", False),
+    "all_gather_coalesced": ("all_gather", "ll0", False),
+    "reduce_scatter": ("reduce_scatter", "l1", False),
+    "reduce_scatter_single": ("reduce_scatter", "t1", False),
+    "reduce_scatter_tensor": ("reduce_scatter", "t1", False),
+    "_reduce_scatter_base": ("reduce_scatter", "t1", False),
+    "all_to_all": ("all_to_all", "l1", False),
+    "all_to_all_single": ("all_to_all", "t1", False),
+    "send": ("send", "t0", False),
+    "recv": ("recv", "t0", False),
+    "isend": ("send", "t0", True),
+    "irecv": ("recv", "t0", True),
+    "gather": ("gather", "t0", False),
+    "scatter": ("scatter", "t0", False),
+    "barrier": ("barrier", "", False),
+}
+
+_run: Any = None  # the run collectives are recorded into (None: wrappers pass straight through)
+_orig: dict[str, Any] = {}  # name -> original function
+_patched: dict[tuple[str, str], Any] = {}  # (module, name) -> wrapper installed there
+_orig_wait: Any = None
+_works: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_sizes: dict[Any, int] = {}
+_c10d: Any = None  # torch.distributed.distributed_c10d, bound by install()
+
+
+class _TLS(threading.local):
+    busy = False  # inside a wrapped collective: nested calls (e.g. all_gather_into_tensor ->
+    # all_gather_single) are the same collective and are not recorded twice
+
+
+_tls = _TLS()
+
+
+def installed() -> bool:
+    return bool(_patched)
+
+
+def _group_size(group: Any) -> int:
+    """Ranks in ``group`` (None: the default group), cached per group object."""
+    if group is None:
+        group = _c10d.GroupMember.WORLD
+        if group is None:
+            return int(_c10d.get_world_size(None))  # raises "not initialized" like the call would
+    n = _sizes.get(group)
+    if n is None:
+        n = int(_c10d.get_world_size(group))
+        if len(_sizes) > 1024:
+            _sizes.clear()
+        _sizes[group] = n
+    return n
+
+
+def _nbytes_list(x: Any) -> int:
+    return sum(int(t.nbytes) for t in x) if x is not None else 0
+
+
+def message_bytes(rule: str, x: Any) -> int:
+    """Bytes of the argument ``x`` of a collective under ``rule`` (see ``WRAPPED``)."""
+    if not rule or x is None:
+        return 0
+    kind = rule[:-1]
+    if kind == "t":
+        return int(x.nbytes)
+    if kind == "l":
+        return _nbytes_list(x)
+    return sum(_nbytes_list(inner) for inner in x)
+
+
+def _make_wrapper(name: str, fn: Any) -> Any:
+    op, rule, always_async = WRAPPED[name]
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # pragma: no cover
+        params = []
+    gi = params.index("group") if "group" in params else 99
+    ai = params.index("async_op") if "async_op" in params else 99
+    ti = int(rule[-1]) if rule else 99
+    tname = params[ti] if ti < len(params) else ""
+    kind = rule[:-1]
+    single = kind == "t"
+    tls = _tls
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        run = _run
+        if run is None or tls.busy:
+            return fn(*args, **kwargs)
+        call = None
+        sync = True
+        try:
+            nargs = len(args)
+            group = args[gi] if gi < nargs else kwargs.get("group")
+            if group is None:
+                group = _c10d.GroupMember.WORLD  # the default group (re-created by destroy + init)
+            n = _sizes.get(group)
+            if n is None:
+                n = _group_size(group)
+            if n > 0:  # -1: this rank is not in the group, nothing happens
+                if always_async:
+                    sync = False
+                elif ai < nargs:
+                    sync = not args[ai]
+                elif kwargs:
+                    sync = not kwargs.get("async_op", False)
+                x: Any = args[ti] if ti < nargs else kwargs.get(tname)
+                nbytes = x.nbytes if single else message_bytes(rule, x)
+                call = run._coll_begin(op, n, nbytes, sync)
+        except Exception as e:  # noqa: BLE001 - recording must never break the collective
+            run._error("collective", e)
+            call = None
+        tls.busy = True
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:
+            tls.busy = False
+            if call is not None:
+                try:
+                    run._coll_end(call, True)
+                except Exception as e:  # noqa: BLE001
+                    run._error("collective", e)
+            raise
+        tls.busy = False
+        if call is not None:
+            try:
+                if sync or result is None:
+                    run._coll_end(call, True)
+                else:
+                    _track(run, call, result)
+            except Exception as e:  # noqa: BLE001
+                run._error("collective", e)
+        return result
+
+    wrapper.__name__ = getattr(fn, "__name__", name)
+    wrapper.__qualname__ = getattr(fn, "__qualname__", name)
+    wrapper.__doc__ = getattr(fn, "__doc__", None)
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    wrapper._fleetscope = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _track(run: Any, call: list[Any], work: Any) -> None:
+    """An async collective was issued: time its ``wait()`` and catch its completion."""
+    _works[work] = (run, call)
+    try:
+        work.get_future().add_done_callback(lambda _f: run._coll_done_async(call))
+    except Exception:  # noqa: BLE001 - backends without futures: completion = end of wait()
+        pass
+
+
+def _timed_wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+    entry = _works.pop(self, None) if _works else None
+    if entry is None:
+        return _orig_wait(self, *args, **kwargs)
+    run, call = entry
+    token = None
+    try:
+        token = run._wait_begin(call)
+    except Exception as e:  # noqa: BLE001
+        run._error("wait", e)
+    try:
+        return _orig_wait(self, *args, **kwargs)
+    finally:
+        if token is not None:
+            try:
+                run._wait_end(call, token)
+            except Exception as e:  # noqa: BLE001
+                run._error("wait", e)
+
+
+def install(run: Any) -> bool:
+    """Record collectives into ``run`` from now on; False if torch.distributed is unavailable."""
+    global _run, _orig_wait, _c10d
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    from torch.distributed import distributed_c10d as c10d
+
+    _c10d = c10d
+
+    if not _patched:
+        wrappers: dict[int, Any] = {}  # one wrapper per original object, shared by both modules
+        for name in WRAPPED:
+            for mod in (dist, c10d):
+                fn = getattr(mod, name, None)
+                if fn is None or getattr(fn, "_fleetscope", False):
+                    continue
+                w = wrappers.get(id(fn))
+                if w is None:
+                    w = wrappers[id(fn)] = _make_wrapper(name, fn)
+                    _orig.setdefault(name, fn)
+                setattr(mod, name, w)
+                _patched[(mod.__name__, name)] = w
+        work_cls = getattr(c10d, "Work", None)
+        if work_cls is not None and _orig_wait is None:
+            _orig_wait = work_cls.wait
+            work_cls.wait = _timed_wait
+    _sizes.clear()
+    _run = run
+    return True
+
+
+def uninstall(run: Any = None) -> None:
+    """Stop recording (for ``run``, or whatever run is recording) and restore torch.distributed."""
+    global _run, _orig_wait
+    if run is not None and _run is not run:
+        return
+    _run = None
+    import sys
+
+    for (modname, name), w in list(_patched.items()):
+        mod = sys.modules.get(modname)
+        if mod is not None and getattr(mod, name, None) is w:
+            setattr(mod, name, getattr(w, "__wrapped__", w))
+        del _patched[(modname, name)]
+    _orig.clear()
+    if _orig_wait is not None:
+        from torch.distributed import distributed_c10d as c10d
+
+        if getattr(c10d.Work, "wait", None) is _timed_wait:
+            c10d.Work.wait = _orig_wait  # type: ignore[method-assign]
+        _orig_wait = None
+    _works.clear()
+    _sizes.clear()
+
+
+def ddp_allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]
+    """DDP communication hook: ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook``
+    (divide by the group size, all-reduce, return the bucket) with the bucket's issue and completion
+    recorded. With no active run it is exactly the default hook.
+
+    Deliberately unannotated: DDP rejects a hook whose ``bucket`` annotation is anything but
+    ``dist.GradBucket``, and this module must not import torch to name it."""
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    tensor = bucket.buffer()
+    n = group.size()
+    tensor.div_(n)
+    run = _run
+    call = None
+    if run is not None:
+        try:
+            call = run._ddp_issue(n, int(tensor.nbytes))
+        except Exception as e:  # noqa: BLE001
+            run._error("ddp_hook", e)
+    all_reduce = _orig.get("all_reduce", dist.all_reduce)
+    fut = all_reduce(tensor, group=group, async_op=True).get_future()
+    if call is None:
+        return fut.then(_first_value)
+
+    def _done(f: Any) -> Any:
+        try:
+            run._coll_done_async(call)
+        except Exception:  # noqa: BLE001
+            pass
+        return f.value()[0]
+
+    return fut.then(_done)
+
+
+def _first_value(f: Any) -> Any:
+    return f.value()[0]

@@ -1,0 +1,248 @@
+"""Automatic mode for PyTorch: ``run.instrument(model=..., optimizer=..., dataloader=...)``.
+
+No change inside the training loop. What each hook marks (``run.py`` holds the state machine):
+
+* data loader: its class is swapped, on this instance only, for a subclass whose ``__iter__`` returns
+  a timed iterator; each ``next()`` is ``data``. A ``next()`` while no step is open starts a step (the
+  step boundary); one while a step is open (gradient accumulation) adds to it. A ``next()`` that ends
+  the epoch (``StopIteration``) leaves no step behind.
+* model: a forward pre-hook (prepended, so it runs before FSDP's unshard) and a forward hook on the
+  top-level module only (one hook pair costs ~2.5 µs, measurements.md). Without an instrumented loader
+  the first training-mode forward of a step starts it; a forward in eval mode or under ``no_grad``
+  never starts one.
+* backward: from the end of forward to the start of ``optimizer.step()``. Chosen over autograd hooks
+  because it needs no per-tensor hook (none on the loss, no ``register_full_backward_hook``, which
+  breaks in-place ops on the module's outputs and adds autograd nodes), it works the same under DDP,
+  FSDP2, activation checkpointing and gradient accumulation, and DDP's end-of-backward wait happens
+  inside it. It therefore also holds the loss computation, ``zero_grad`` and gradient clipping.
+* optimizer: ``register_step_pre_hook``/``register_step_post_hook``; the post hook ends the step.
+* DDP: the gradient all-reduce runs in the C++ reducer; a comm hook (``collectives.ddp_allreduce_hook``,
+  the default all-reduce plus timing) makes the buckets visible. Skipped, with a log line, when the
+  model already has a comm hook (the user's own, or DDP's mixed-precision hook).
+* FLOPs: measured once by ``FlopCounterMode`` from the first step's forward to its optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["instrument", "default_counts"]
+
+log = logging.getLogger(__name__)
+
+
+def default_counts(batch: Any) -> dict[str, Any] | None:
+    """Samples in a batch: the leading dimension of its first tensor (host metadata, no sync)."""
+    x = batch
+    for _ in range(3):
+        if isinstance(x, Mapping):
+            x = next(iter(x.values()), None)
+        elif isinstance(x, (list, tuple)):
+            x = x[0] if x else None
+        else:
+            break
+    shape = getattr(x, "shape", None)
+    if shape is not None and len(shape) > 0:
+        return {"samples": int(shape[0])}
+    return None
+
+
+class _TimedIterator:
+    """Wraps a loader's iterator; ``__next__`` is the data phase and the automatic step boundary."""
+
+    __slots__ = ("_it", "_run", "_counts")
+
+    def __init__(self, it: Any, run: Any, counts: Callable[[Any], Any] | None) -> None:
+        self._it = it
+        self._run = run
+        self._counts = counts
+
+    def __iter__(self) -> _TimedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        run = self._run
+        token = 0
+        try:
+            if not run._finished:
+                token = run._auto_data_begin()
+        except Exception as e:  # noqa: BLE001
+            run._error("data", e)
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            if token:
+                try:
+                    run._auto_data_stop(token)
+                except Exception as e:  # noqa: BLE001
+                    run._error("data", e)
+            raise
+        except BaseException:
+            if token:
+                try:
+                    run._auto_data_end(token)
+                except Exception as e:  # noqa: BLE001
+                    run._error("data", e)
+            raise
+        if token:
+            try:
+                run._auto_data_end(token)
+                counts = self._counts
+                if counts is not None:
+                    c = counts(batch)
+                    if c and run._step is not None:
+                        run._add_counts(run._step, c.get("tokens"), c.get("padded_tokens"), c.get("samples"))
+            except Exception as e:  # noqa: BLE001
+                run._error("data", e)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._it)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._it, name)
+
+
+class _TimedIterable:
+    """For loaders whose class cannot be swapped (builtins such as lists): iterate this instead."""
+
+    def __init__(self, loader: Any, run: Any, counts: Callable[[Any], Any] | None) -> None:
+        self._loader = loader
+        self._run = run
+        self._counts = counts
+
+    def __iter__(self) -> _TimedIterator:
+        return _TimedIterator(iter(self._loader), self._run, self._counts)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+def _instrument_loader(run: Any, loader: Any, counts: Callable[[Any], Any] | None) -> Any:
+    cls = type(loader)
+    if getattr(cls, "_fleetscope_instrumented", False):
+        loader._fleetscope_counts = counts  # re-instrumented: new run, new counts
+        loader._fleetscope_run = run
+        return loader
+    orig_iter = cls.__iter__
+
+    def __iter__(self: Any) -> Any:
+        it = orig_iter(self)
+        r = getattr(self, "_fleetscope_run", None)
+        if r is None or r._finished:
+            return it
+        return _TimedIterator(it, r, getattr(self, "_fleetscope_counts", None))
+
+    try:
+        sub = type(
+            cls.__name__,
+            (cls,),
+            {"__iter__": __iter__, "__module__": cls.__module__, "_fleetscope_instrumented": True},
+        )
+        loader.__class__ = sub
+        loader._fleetscope_run = run
+        loader._fleetscope_counts = counts
+        return loader
+    except (TypeError, AttributeError):
+        log.info(
+            "fleetscope: %s cannot be instrumented in place; iterate the object instrument() returned", cls
+        )
+        return _TimedIterable(loader, run, counts)
+
+
+def _instrument_model(run: Any, model: Any) -> list[Any]:
+    import torch
+
+    is_grad_enabled = torch.is_grad_enabled
+
+    def pre(module: Any, args: Any) -> None:
+        try:
+            if not run._finished:
+                run._auto_forward_pre(module.training and is_grad_enabled())
+        except Exception as e:  # noqa: BLE001
+            run._error("forward", e)
+
+    def post(module: Any, args: Any, output: Any) -> None:
+        try:
+            if not run._finished:
+                run._auto_forward_post()
+        except Exception as e:  # noqa: BLE001
+            run._error("forward", e)
+
+    handles = [model.register_forward_pre_hook(pre, prepend=True), model.register_forward_hook(post)]
+    _maybe_ddp_hook(model)
+    return handles
+
+
+def _maybe_ddp_hook(model: Any) -> None:
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except Exception:  # noqa: BLE001 - torch without distributed
+        return
+    if not isinstance(model, DistributedDataParallel):
+        return
+    if getattr(model, "_comm_hooks", None) or getattr(model, "_fleetscope_comm_hook", False):
+        if not getattr(model, "_fleetscope_comm_hook", False):
+            log.info("fleetscope: DDP model already has a comm hook; gradient buckets are not timed")
+        return
+    from .collectives import ddp_allreduce_hook
+
+    try:
+        model.register_comm_hook(state=model.process_group, hook=ddp_allreduce_hook)
+        setattr(model, "_fleetscope_comm_hook", True)  # noqa: B010 - nn.Module typing
+    except Exception as e:  # noqa: BLE001 - e.g. after the first backward: leave DDP as it is
+        log.info("fleetscope: could not register the DDP comm hook (%r); buckets are not timed", e)
+
+
+def _instrument_optimizer(run: Any, optimizer: Any) -> list[Any]:
+    def pre(opt: Any, args: Any, kwargs: Any) -> None:
+        try:
+            if not run._finished:
+                run._auto_optimizer_pre()
+        except Exception as e:  # noqa: BLE001
+            run._error("optimizer", e)
+
+    def post(opt: Any, args: Any, kwargs: Any) -> None:
+        try:
+            if not run._finished:
+                run._auto_optimizer_post()
+        except Exception as e:  # noqa: BLE001
+            run._error("optimizer", e)
+
+    return [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+
+
+def _model_on_cuda(model: Any) -> bool:
+    try:
+        p = next(iter(model.parameters()), None)
+    except Exception:  # noqa: BLE001
+        return False
+    return p is not None and getattr(p.device, "type", "") == "cuda"
+
+
+def instrument(
+    run: Any,
+    *,
+    model: Any = None,
+    optimizer: Any = None,
+    dataloader: Any = None,
+    counts: Callable[[Any], Any] | None = None,
+) -> Any:
+    """Install the hooks on ``run``; return the data loader to iterate."""
+    if model is not None:
+        if run._clock is None and getattr(run.config, "clock", "auto") == "auto":
+            from .clock import make_clock
+
+            run._use_clock(make_clock("cuda" if _model_on_cuda(model) else "cpu"))
+        run._hooks.extend(_instrument_model(run, model))
+    if optimizer is not None:
+        run._hooks.extend(_instrument_optimizer(run, optimizer))
+    run._ensure_collectives()
+    if dataloader is not None:
+        dataloader = _instrument_loader(run, dataloader, counts if counts is not None else default_counts)
+    return dataloader

@@ -928,8 +928,9 @@ class Run:
         elif st.flops is not None:
             flops = float(st.flops)
             self._record_measured_flops(st)
-        elif self._flops_per_token is not None and st.tokens:
-            flops = self._flops_per_token * st.tokens
+        elif self._flops_per_token is not None and (st.padded or st.tokens):
+            # the device computes every position of a padded batch: scale by padded tokens when known
+            flops = self._flops_per_token * (st.padded or st.tokens)
         else:
             flops = self._flops_per_step
 
@@ -971,8 +972,8 @@ class Run:
         if not flops:
             return
         self._flops_per_step = float(flops)
-        if st.tokens:
-            self._flops_per_token = flops / st.tokens
+        if st.padded or st.tokens:
+            self._flops_per_token = flops / (st.padded or st.tokens)
         self.event("flops", step=st.index, flops=float(flops), tokens=st.tokens, source="measured")
 
     def _emit_collectives_cpu(self, st: _StepData, origin: Any, end_mark: Any) -> int:

@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=None, shuffle=False, num_workers=0)
     loader = run.instrument(model=model, optimizer=opt, dataloader=loader, counts=counts)
     loss_fn = torch.nn.CrossEntropyLoss(reduction="none")
+    done = 0
     for batch in loader:
         logits = model(batch["tokens"], batch["pad"])
         loss = (loss_fn(logits[:, :-1].reshape(-1, args.vocab), batch["tokens"][:, 1:].reshape(-1))
@@ -158,9 +159,11 @@ def main(argv: list[str] | None = None) -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        done += 1
         if args.sleep_ms:
             time.sleep(args.sleep_ms / 1e3)
     run.finish()
+    print(f"fleetscope-demo-train: rank {dist.get_rank()} finished {done} steps", flush=True)
     dist.destroy_process_group()
 
 

@@ -15,6 +15,8 @@ from sqlalchemy import Engine, text
 
 from fleetscope.wire import COLLECTIVE_OPS, busbw_factor
 
+from .analysis.bottlenecks import run_bottlenecks, summary_bottlenecks
+from .analysis.stragglers import run_stragglers, summary_stragglers
 from .codec import FRAG_COLL_FIELDS, FRAG_STEP_FIELDS, STEP_BLOCK_FIELDS, decode_block
 
 __all__ = ["list_runs", "get_run", "run_summary", "run_steps", "run_collectives", "rank_step_matrix"]
@@ -187,8 +189,10 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
         "mem_peak_bytes": float(np.nanmax(s["mem_peak_bytes"])) if np.any(~np.isnan(s["mem_peak_bytes"])) else None,
         "alloc_retries": float(np.nansum(s["alloc_retries"])) if s["alloc_retries"].size else None,
         "negative_residual_steps": int(np.nansum(s["neg_residual"])),
-        "stragglers": [],
-        "bottlenecks": [],
+        "stragglers": summary_stragglers(st_report := run_stragglers(engine, run_id)),
+        "bottlenecks": summary_bottlenecks(
+            run_bottlenecks(engine, run_id, steps=s, stragglers=st_report, summary={"run": run, "mfu": mfu})
+        ),
     }
 
 
@@ -233,7 +237,7 @@ def rank_step_matrix(
     with engine.connect() as c:
         rows = c.execute(
             text(
-                "SELECT step, block FROM steps WHERE run_id = :id AND step >= :lo AND (:hi IS NULL OR step < :hi) "
+                "SELECT step, block FROM steps WHERE run_id = :id AND step >= :lo AND (CAST(:hi AS integer) IS NULL OR step < :hi) "
                 "AND n_ranks > 0 ORDER BY step"
             ),
             {"id": run_id, "lo": step_lo, "hi": step_hi},

@@ -206,7 +206,7 @@ class Compactor:
         }
         ks = S["run_id"] * (1 << 32) + S["step"]
         kc = C["run_id"] * (1 << 32) + C["step"]
-        gkeys = np.union1d(ks, kc)
+        gkeys = _union_keys(ks, kc)
         if len(gkeys) == 0:
             cur.execute("DELETE FROM ingest_fragments WHERE id = ANY(%s)", ([f[0] for f in frags],))
             return gkeys
@@ -230,7 +230,8 @@ class Compactor:
             ready[np.searchsorted(gkeys, ekeys)] = True
         # all ranks present (distinct ranks among the new rows)
         if len(ks):
-            uniq = np.unique(g_s * (1 << 32) + S["rank"])
+            rk = g_s * (1 << 32) + S["rank"]
+            uniq = rk if (np.diff(rk) > 0).all() else np.unique(rk)
             have = np.bincount(uniq >> 32, minlength=n)
             ws_of = np.array([info.get(int(r), (1 << 30, ""))[0] for r in g_run])
             ready |= have >= ws_of
@@ -241,7 +242,10 @@ class Compactor:
         ready |= young >= self.grace_s
         if ready.any():
             rs_mask, rc_mask = ready[g_s], ready[g_c]
-            self._fold(cur, {k: v[rs_mask] for k, v in S.items()}, {k: v[rc_mask] for k, v in C.items()}, existing, res)
+            if ready.all():
+                self._fold(cur, S, C, existing, res)
+            else:
+                self._fold(cur, {k: v[rs_mask] for k, v in S.items()}, {k: v[rc_mask] for k, v in C.items()}, existing, res)
         # rewrite what is not ready as new fragments (same arrival time), drop the consumed ones
         left_s, left_c = ~ready[g_s], ~ready[g_c]
         rows = []
@@ -308,7 +312,7 @@ class Compactor:
         # groups = (run_id, step) present in either table, sorted
         keys_s = S["run_id"] * (1 << 32) + S["step"]
         keys_c = C["run_id"] * (1 << 32) + C["step"]
-        gkeys = np.union1d(keys_s, keys_c)
+        gkeys = _union_keys(keys_s, keys_c)
         n_groups = len(gkeys)
         # sort by (group, rank[, seq]) once and keep the first row of each key: existing block rows
         # come first and the sort is stable, so a re-sent copy never replaces what is stored
@@ -484,6 +488,14 @@ def _f(x: float) -> float | None:
     return None if np.isnan(x) else float(x)
 
 
+def _union_keys(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Sorted unique union of two key arrays that are mostly runs of equal values."""
+    def runs(x: np.ndarray) -> np.ndarray:
+        return x[np.r_[True, x[1:] != x[:-1]]] if len(x) else x
+
+    return np.union1d(runs(a), runs(b))
+
+
 def _sort_dedup(cols: dict[str, np.ndarray], key: np.ndarray, key2: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], int]:
     """Rows sorted by (key, key2), keeping the first of equal keys (stable: earlier rows win)."""
     n = len(key)
@@ -497,6 +509,9 @@ def _sort_dedup(cols: dict[str, np.ndarray], key: np.ndarray, key2: np.ndarray |
         sk = key[order]
         first = np.r_[True, sk[1:] != sk[:-1]]
     else:
+        d1, d2 = np.diff(key), np.diff(key2)
+        if ((d1 > 0) | ((d1 == 0) & (d2 > 0))).all():
+            return {**cols, "_key": key}, 0
         order = np.lexsort((key2, key))
         sk, sk2 = key[order], key2[order]
         first = np.r_[True, (sk[1:] != sk[:-1]) | (sk2[1:] != sk2[:-1])]

@@ -26,9 +26,10 @@ import psycopg
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fleetscope.client import columnar  # noqa: E402
 from fleetscope.server.codec import RAW_COLL_LAYOUT, RAW_STEP_LAYOUT  # noqa: E402
 from fleetscope.server.db import EmbeddedPostgres, libpq_url, upgrade  # noqa: E402
+
+from fleetscope.client import columnar  # noqa: E402
 from fleetscope.wire import COLLECTIVE_FIELDS, RANK_STEP_FIELDS, encode_batch  # noqa: E402
 
 

@@ -32,6 +32,8 @@ import threading
 import weakref
 from typing import Any
 
+from .run import K_FAST, K_TRAINING
+
 __all__ = ["install", "uninstall", "installed", "ddp_allreduce_hook", "WRAPPED", "message_bytes"]
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,7 @@ class _TLS(threading.local):
 
 
 _tls = _TLS()
+_get_ident = threading.get_ident
 
 
 def installed() -> bool:
@@ -115,23 +118,52 @@ def message_bytes(rule: str, x: Any) -> int:
     return sum(_nbytes_list(inner) for inner in x)
 
 
+_K_SYNC = K_TRAINING | K_FAST  # a blocking call of the training thread, timed by the fast path
+_message_bytes = message_bytes
+
+
 def _make_wrapper(name: str, fn: Any) -> Any:
+    """The wrapper of ``fn``: the generic one below, or, where the signature allows it, a generated
+    one with ``fn``'s exact parameters whose hot case is inlined (see ``_make_fast``)."""
     op, rule, always_async = WRAPPED[name]
     try:
-        params = list(inspect.signature(fn).parameters)
+        sig = inspect.signature(fn)
+        params = list(sig.parameters)
     except (TypeError, ValueError):  # pragma: no cover
+        sig = None
         params = []
+    generic = _make_generic(fn, op, rule, always_async, params)
+    wrapper = generic
+    if sig is not None and not always_async:
+        try:
+            wrapper = _make_fast(name, fn, op, rule, sig, generic)
+        except Exception as e:  # noqa: BLE001 - an unusual signature: the generic wrapper does it all
+            log.debug("fleetscope: generic wrapper for %s (%r)", name, e)
+    wrapper.__name__ = getattr(fn, "__name__", name)
+    wrapper.__qualname__ = getattr(fn, "__qualname__", name)
+    wrapper.__doc__ = getattr(fn, "__doc__", None)
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    wrapper._fleetscope = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _make_generic(fn: Any, op: str, rule: str, always_async: bool, params: list[str]) -> Any:
+    """Any call: async, on another thread, outside a step, on the CUDA clock (``Run._coll_begin``)."""
     gi = params.index("group") if "group" in params else 99
     ai = params.index("async_op") if "async_op" in params else 99
     ti = int(rule[-1]) if rule else 99
     tname = params[ti] if ti < len(params) else ""
-    kind = rule[:-1]
-    single = kind == "t"
+    single = rule[:-1] == "t"
     tls = _tls
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         run = _run
-        if run is None or tls.busy:
+        if run is None:
+            return fn(*args, **kwargs)
+        # nested calls (all_gather_into_tensor -> all_gather_single ...) are the same collective: the
+        # training thread says so in run._in_coll, any other thread in its thread-local
+        main = _get_ident() == run._tid
+        if run._in_coll if main else tls.busy:
             return fn(*args, **kwargs)
         call = None
         sync = True
@@ -156,18 +188,27 @@ def _make_wrapper(name: str, fn: Any) -> Any:
         except Exception as e:  # noqa: BLE001 - recording must never break the collective
             run._error("collective", e)
             call = None
-        tls.busy = True
+        if main:
+            run._in_coll = True
+        else:
+            tls.busy = True
         try:
             result = fn(*args, **kwargs)
         except BaseException:
-            tls.busy = False
+            if main:
+                run._in_coll = False
+            else:
+                tls.busy = False
             if call is not None:
                 try:
                     run._coll_end(call, True)
                 except Exception as e:  # noqa: BLE001
                     run._error("collective", e)
             raise
-        tls.busy = False
+        if main:
+            run._in_coll = False
+        else:
+            tls.busy = False
         if call is not None:
             try:
                 if sync or result is None:
@@ -178,12 +219,111 @@ def _make_wrapper(name: str, fn: Any) -> Any:
                 run._error("collective", e)
         return result
 
-    wrapper.__name__ = getattr(fn, "__name__", name)
-    wrapper.__qualname__ = getattr(fn, "__qualname__", name)
-    wrapper.__doc__ = getattr(fn, "__doc__", None)
-    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
-    wrapper._fleetscope = True  # type: ignore[attr-defined]
     return wrapper
+
+
+# The hot case, generated per function with its exact parameters (no *args/**kwargs packing, no
+# argument search): a blocking call on the training thread inside a step timed by the host clock.
+# Two clock reads and one record tuple; the call's time stays charged to the state it was issued in
+# (K_FAST) and is moved to exposed comm when the step is resolved (Run._emit_collectives_cpu), off
+# this path. ``run._in_coll`` tells a nested call (all_gather_into_tensor -> all_gather_single ...)
+# that it is part of this one. Anything else goes to the generic wrapper. Like dataclasses, the
+# function is built from source.
+_FAST_SRC = """
+def _fs_factory(_fs_fn, _fs_generic, _fs_op, _fs_rule{defaults}):
+    def {name}({params}):
+        _fs_run = _run
+        if (
+            _fs_run is not None
+            and _fs_run._fast
+            and {sync}
+            and not _fs_run._in_coll
+            and _get_ident() == _fs_run._tid
+        ):
+            try:
+                _fs_g = {group}
+                if _fs_g is None:
+                    _fs_g = {world}
+                _fs_n = _sizes.get(_fs_g)
+                if _fs_n is None:
+                    _fs_n = _group_size(_fs_g)
+                _fs_bytes = {nbytes}
+            except Exception as _fs_e:  # the generic wrapper records the error and calls
+                return _fs_generic({args})
+            if _fs_n <= 0:  # this rank is not in the group: nothing happens
+                return _fs_fn({args})
+            _fs_mark = _fs_run._mark
+            _fs_run._in_coll = True
+            _fs_t0 = _fs_mark()
+            try:
+                return _fs_fn({args})
+            finally:
+                _fs_t1 = _fs_mark()
+                _fs_run._in_coll = False
+                _fs_st = _fs_run._step
+                if _fs_st is not None:
+                    _fs_st.calls.append(
+                        (_fs_op, _fs_n, _fs_bytes, _fs_t0, _fs_t1, None, _K_SYNC, _fs_run._cur, None)
+                    )
+        return _fs_generic({args})
+
+    return {name}
+"""
+
+
+def _make_fast(name: str, fn: Any, op: str, rule: str, sig: inspect.Signature, generic: Any) -> Any:
+    plain = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    kwonly = inspect.Parameter.KEYWORD_ONLY
+    names = list(sig.parameters)
+    if not name.isidentifier() or any(p.kind not in (plain, kwonly) for p in sig.parameters.values()):
+        raise ValueError(f"signature {sig} is not generated")
+    if any(n.startswith("_fs_") for n in names):
+        raise ValueError(f"parameter names of {sig} clash")
+    defs: list[str] = []
+    values: list[Any] = []
+    star = False
+    for p in sig.parameters.values():
+        if p.kind is kwonly and not star:
+            defs.append("*")
+            star = True
+        if p.default is inspect.Parameter.empty:
+            defs.append(p.name)
+        else:
+            defs.append(f"{p.name}=_fs_d{len(values)}")
+            values.append(p.default)
+    args = ", ".join(p.name if p.kind is plain else f"{p.name}={p.name}" for p in sig.parameters.values())
+    ti = int(rule[-1]) if rule else -1
+    if ti >= len(names):
+        raise ValueError(f"no tensor argument {ti} in {sig}")
+    if not rule:
+        nbytes = "0"
+    elif rule[:-1] == "t":
+        nbytes = f"{names[ti]}.nbytes"
+    else:
+        nbytes = f"_message_bytes(_fs_rule, {names[ti]})"
+    src = _FAST_SRC.format(
+        name=name,
+        params=", ".join(defs),
+        defaults="".join(f", _fs_d{i}" for i in range(len(values))),
+        sync="not async_op" if "async_op" in names else "True",
+        group="group" if "group" in names else "None",
+        # the default group: GroupMember.WORLD is two Python properties deep, _world._default_pg is
+        # what they return (torch >= 2.1; _world is created once, never rebound)
+        world="_c10d._world._default_pg" if _has_world_attr() else "_c10d.GroupMember.WORLD",
+        nbytes=nbytes,
+        args=args,
+    )
+    ns: dict[str, Any] = {}
+    # this module's globals: the function reads _run, _sizes, _c10d ... as they are at call time
+    exec(compile(src, f"<fleetscope wrapper of {name}>", "exec"), globals(), ns)
+    return ns["_fs_factory"](fn, generic, op, rule, *values)
+
+
+def _has_world_attr() -> bool:
+    try:
+        return "_default_pg" in vars(_c10d._world)
+    except Exception:  # noqa: BLE001 - another torch, or install() not called yet
+        return False
 
 
 def _track(run: Any, call: list[Any], work: Any) -> None:

@@ -8,7 +8,6 @@ One sample per step, taken at the step's end on the training thread, from host-s
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 __all__ = ["RssSampler", "CudaMemorySampler", "NullSampler", "make_sampler"]
@@ -19,6 +18,8 @@ _NONE4: tuple[None, None, None, None] = (None, None, None, None)
 class NullSampler:
     """Memory not sampled."""
 
+    min_interval_ns = 0
+
     def sample(self) -> tuple[Any, Any, Any, Any]:
         return _NONE4
 
@@ -27,9 +28,11 @@ class NullSampler:
 
 
 class RssSampler:
-    """Resident set size from ``/proc/self/statm`` through one ``pread`` on a kept descriptor,
-    at most once per ``min_interval_s`` (default 100 ms).
+    """Resident set size from ``/proc/self/statm`` through one ``pread`` on a kept descriptor.
 
+    A read is a 2-4 µs syscall on a VM, more than the rest of a step's bookkeeping, and RSS moves
+    slowly: the caller reads at most once per ``min_interval_ns`` (default 100 ms) and reports the last
+    reading in between (``Run._end`` compares the step's end mark, so the check costs no clock read).
     psutil is not needed. The descriptor is reopened after ``fork`` (``/proc/self`` was resolved to the
     parent's pid at open). Where ``/proc`` does not exist (macOS) RSS is not measured.
     """
@@ -38,9 +41,7 @@ class RssSampler:
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
         self._fd: int | None = None
         self._pid = -1
-        self._min_interval_ns = int(min_interval_s * 1e9)
-        self._last_ns = -(1 << 62)
-        self._last: tuple[Any, Any, Any, Any] = _NONE4
+        self.min_interval_ns = int(min_interval_s * 1e9)
 
     def _open(self) -> int | None:
         self.close()
@@ -52,11 +53,6 @@ class RssSampler:
         return self._fd
 
     def sample(self) -> tuple[Any, Any, Any, Any]:
-        # a /proc read is a 2-4 µs syscall on a VM, more than the rest of a step's bookkeeping: RSS
-        # moves slowly, so steps shorter than min_interval_s reuse the last reading
-        now = time.perf_counter_ns()
-        if now - self._last_ns < self._min_interval_ns:
-            return self._last
         fd = self._fd
         if fd is None or self._pid != os.getpid():
             fd = self._open()
@@ -64,11 +60,9 @@ class RssSampler:
                 return _NONE4
         try:
             raw = os.pread(fd, 128, 0)
-            self._last = (int(raw.split(None, 2)[1]) * self._page, None, None, None)
+            return (int(raw.split(None, 2)[1]) * self._page, None, None, None)
         except (OSError, ValueError, IndexError):
-            self._last = _NONE4
-        self._last_ns = now
-        return self._last
+            return _NONE4
 
     def close(self) -> None:
         if self._fd is not None:
@@ -85,6 +79,8 @@ class CudaMemorySampler:
     ``mem_peak_bytes`` is the allocator's peak since the previous sample (``reset_peak_memory_stats``
     after reading it); ``alloc_retries`` is the delta of ``num_alloc_retries`` since then.
     """
+
+    min_interval_ns = 0  # every step (memory_every_steps thins it)
 
     def __init__(self, cuda: Any = None) -> None:
         if cuda is None:

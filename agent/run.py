@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .clock import CpuClock, make_clock
@@ -51,9 +51,6 @@ log = logging.getLogger(__name__)
 OTHER, DATA, FORWARD, BACKWARD, OPTIMIZER, COMM = range(6)
 STATE_NAMES: tuple[str, ...] = ("other", "data", "forward", "backward", "optimizer", "comm")
 _FIRST_CUSTOM = 6
-_BIT_DATA, _BIT_FORWARD, _BIT_BACKWARD, _BIT_OPTIMIZER, _BIT_COMM = (
-    1 << s for s in (DATA, FORWARD, BACKWARD, OPTIMIZER, COMM)
-)
 _COMPUTE_BUILTIN = (FORWARD, BACKWARD, OPTIMIZER)
 
 #: rank_step ``flags`` bits
@@ -69,6 +66,8 @@ K_TRAINING = 1  # issued by the training thread, which blocked on it (sync call)
 K_DDP = 2  # a DDP gradient bucket (exposure = the backward tail, see _emit)
 K_HOST = 4  # timed with the host clock (issued before the run's clock was chosen)
 K_PUSHED = 8  # pushed the COMM state of the current step
+K_FAST = 16  # a blocking call timed by the wrapper's fast path (collectives.py): its time is still
+# charged to the state it was issued in (C_STATE) and moves to COMM when the step is resolved
 
 _HOST = CpuClock()
 _SEQ_EPOCH = 1_700_000_000
@@ -89,38 +88,52 @@ _NONE4 = (None, None, None, None)
 _get_ident = threading.get_ident
 _time = time.time
 
+# Host clock (CPU) accounting is incremental: at each transition the interval since the previous one
+# is added to the state that was current, plus _BIG. A state's accumulator is therefore 0 if the state
+# never occurred in the step ("not measured", None on the wire) and k·_BIG + ns after k intervals, so
+# one integer add per transition records both the time and the fact (``_MASK`` takes the ns back).
+# The trick costs nothing on the hot path: ``_last`` holds the previous mark minus _BIG.
+_BIG = 1 << 50  # 13 days of ns: more than any step
+_MASK = _BIG - 1
+
 
 class _StepData:
-    """One step on one rank, from its first mark until it is resolved and submitted.
+    """One step on one rank, from its first mark until it is resolved and submitted. On the host
+    clock the per-state times live on the Run (``Run._durs``), on CUDA in ``marks``. Slots: every
+    field is read at the step's end, and a slot read is the cheapest attribute read there is."""
 
-    Rarely set fields are class-level defaults, so starting a step sets five attributes."""
-
-    pre_calls: Any = ()
-    ddp = False  # DDP buckets among the calls (their exposure is the backward tail)
-    tokens: int | None = None
-    padded: int | None = None
-    samples: int | None = None
-    modality: dict[str, int] | None = None
-    mem: tuple[Any, Any, Any, Any] = _NONE4
-    flags = 0
-    flops: int | None = None
-    ready_upto = 0
-    check: list[Any] | None = None
+    __slots__ = (
+        "index", "ts", "auto", "calls", "pre_calls", "ddp", "tokens", "padded", "samples", "modality",
+        "mem", "flags", "flops", "ready_upto", "check", "marks",
+    )  # fmt: skip
 
     def __init__(self, index: int, auto: bool) -> None:
         self.index = index
         self.ts = _time()
         self.auto = auto
-        self.marks: list[tuple[Any, int]] = []
-        self.calls: list[list[Any]] = []
+        self.calls: list[Any] = []
+        self.pre_calls: Any = ()
+        self.ddp = False  # DDP buckets among the calls (their exposure is the backward tail, see _emit)
+        self.tokens: int | None = None
+        self.padded: int | None = None
+        self.samples: int | None = None
+        self.modality: dict[str, int] | None = None
+        self.mem: tuple[Any, Any, Any, Any] = _NONE4
+        self.flags = 0
+        self.flops: int | None = None
+        self.ready_upto = 0
+        self.check: list[Any] | None = None
+        self.marks: Any = ()  # CUDA clock: [(event, state), ...]
 
 
 class Phase:
     """A named phase of the current step; prebuilt per name by ``Run.phase`` and reused.
 
-    Enter pushes the phase's state, exit pops back to the enclosing one (the transitions of
-    ``Run._push``/``Run._pop``, inlined: this is the hottest code of the agent). Outside a step both
-    are no-ops; an exit whose enter happened before the step began finds the stack empty."""
+    Enter pushes the phase's state, exit pops back to the enclosing one. The host-clock case is
+    inlined here (the hottest code of the agent: one clock read, one integer add, one push or pop);
+    ``run._fast`` says it applies (a step is open, host clock, no FLOP counting in progress). Otherwise
+    ``Run._push``/``Run._pop`` do it. Outside a step both are no-ops; an exit whose enter happened
+    before the step began finds the stack empty."""
 
     __slots__ = ("_run", "_state", "name")
 
@@ -131,32 +144,48 @@ class Phase:
 
     def __enter__(self) -> Phase:
         run = self._run
-        st = run._step
-        if st is not None:
-            try:
-                state = self._state
-                run._stack.append(run._cur)
-                st.marks.append((run._mark(), state))
-                run._cur = state
-                if run._flop_watch:
-                    run._flops_transition(state)
-            except Exception as e:  # noqa: BLE001 - never raise into the loop
-                run._error("phase", e)
+        try:
+            if run._fast:
+                mark = run._mark  # two steps: run._mark() would be an unspecialized LOAD_METHOD
+                t = mark()
+                cur = run._cur
+                run._durs[cur] += t - run._last
+                run._last = t - _BIG
+                run._stack.append(cur)
+                run._cur = self._state
+            elif run._step is not None:
+                run._push(self._state)
+        except Exception as e:  # noqa: BLE001 - never raise into the loop
+            run._error("phase", e)
         return self
 
     def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
         run = self._run
-        st = run._step
-        if st is not None and run._stack:
-            try:
-                state = run._stack.pop()
-                st.marks.append((run._mark(), state))
-                run._cur = state
-                if run._flop_watch:
-                    run._flops_transition(state)
-            except Exception as e:  # noqa: BLE001
-                run._error("phase", e)
+        try:
+            if run._fast:
+                stack = run._stack
+                if stack:
+                    mark = run._mark
+                    t = mark()
+                    run._durs[run._cur] += t - run._last
+                    run._last = t - _BIG
+                    run._cur = stack.pop()
+            elif run._step is not None:
+                run._pop()
+        except Exception as e:  # noqa: BLE001
+            run._error("phase", e)
         return None
+
+
+class _PhaseTable(dict):  # type: ignore[type-arg]
+    """name -> prebuilt Phase; its ``__getitem__`` (C) is ``Run.phase`` on each run instance."""
+
+    def __init__(self, run: Run) -> None:
+        super().__init__()
+        self.run = run
+
+    def __missing__(self, name: str) -> Phase:
+        return self.run._new_phase(name)
 
 
 class Step:
@@ -173,29 +202,61 @@ class Step:
 
     def __enter__(self) -> Step:
         run = self._run
-        if run._finished:
-            return self
         try:
             st = run._step
             if st is None:
-                st = run._begin(False, OTHER, self._index)
+                if run._finished:
+                    return self
+                if run._cpu and not run._flop_watch and not run._gap and run._collectives_tried:
+                    # Run._begin for the host clock, inlined: the common case of every step
+                    index = self._index
+                    st = _StepData(run._next_index if index is None else index, False)
+                    run._tid = _get_ident()
+                    run._cur = OTHER
+                    run._durs[:] = run._zeros
+                    mark = run._mark
+                    t = mark()
+                    run._t0 = t
+                    run._last = t - _BIG
+                    run._step = st
+                    run._fast = True
+                else:
+                    st = run._begin(False, OTHER, self._index)
             else:
                 st.auto = False  # adopt the step the instrumented loader opened (keeps its data time)
-            if self._tokens is not None or self._samples is not None or self._padded is not None:
-                run._add_counts(st, self._tokens, self._padded, self._samples)
+            tokens = self._tokens
+            samples = self._samples
+            padded = self._padded
+            if tokens is not None or samples is not None or padded is not None:
+                if (
+                    (tokens is None or type(tokens) is int)
+                    and (samples is None or type(samples) is int)
+                    and (padded is None or type(padded) is int)
+                    and st.tokens is None
+                    and st.samples is None
+                    and st.padded is None
+                ):
+                    st.tokens = tokens  # a fresh step given plain ints: _add_counts, inlined
+                    st.samples = samples
+                    st.padded = padded
+                else:
+                    run._add_counts(st, tokens, padded, samples)
         except Exception as e:  # noqa: BLE001
             run._error("step", e)
         return self
 
     def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
         run = self._run
-        if run._step is None:
+        st = run._step
+        if st is None:
             return None
         try:
-            if et is None:
-                run._end()
-            else:
+            if et is not None:
                 run._abort()
+            elif run._fast:
+                run._end_fast(st)
+            else:
+                run._end()
         except Exception as e:  # noqa: BLE001
             run._error("step", e)
         return None
@@ -216,7 +277,28 @@ class Step:
 
 
 class Run:
-    """One training run as seen from this rank. Built by ``fleetscope.agent.init``."""
+    """One training run as seen from this rank. Built by ``fleetscope.agent.init``.
+
+    ``run.phase(name)``: the context manager of phase ``name`` of the current step. "data",
+    "forward", "backward", "optimizer" fill their columns; any other name is a custom compute phase
+    (in compute_s). The same prebuilt object for a name every call. It is an attribute (the C
+    ``__getitem__`` of the name -> Phase table, about 60 ns cheaper per call than a Python method);
+    an unknown name reaches ``_new_phase``.
+
+    Slots: the training thread reads and writes these attributes on every transition, and more
+    than 30 instance attributes would leave CPython 3.11 without its fast attribute paths.
+    """
+
+    __slots__ = (
+        "config", "info", "name", "rank", "world_size", "counters", "phase", "__weakref__",
+        "_tx", "_submit", "_pid", "_finished", "_closed", "_lock", "_errors_logged", "_hooks",
+        "_clock", "_mark", "_cpu", "_nsteps", "_next_index", "_event_seq",
+        "_mem", "_mem_every", "_mem_interval", "_mem_next", "_mem_val",
+        "_tid", "_step", "_stack", "_cur", "_fast", "_durs", "_zeros", "_t0", "_last", "_in_coll",
+        "_pending", "_max_pending", "_gap", "_agg_threshold", "_phases", "_state_names", "_step_cm",
+        "_flops_per_step", "_flops_per_token", "_flops_source", "_flops_given", "_flop_meter",
+        "_flop_watch", "_collectives_installed", "_collectives_tried",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -248,18 +330,29 @@ class Run:
         self._nsteps = 0
         self._mem: Any = NullSampler()
         self._mem_every = int(getattr(config, "memory_every_steps", 1))
+        self._mem_interval = 0  # host clock: ns between two reads of the sampler (RSS: 100 ms)
+        self._mem_next = -(1 << 62)
+        self._mem_val: tuple[Any, Any, Any, Any] = _NONE4
         # state machine of the training thread
         self._tid = _get_ident()
         self._step: _StepData | None = None
         self._stack: list[int] = []
         self._cur = OTHER
+        # host clock: per-state accumulators of the open step (see _BIG), its first and last marks
+        self._fast = False  # a step is open on the host clock and no FLOP counting is in progress
+        self._durs: list[int] = [0] * _FIRST_CUSTOM
+        self._zeros: list[int] = [0] * _FIRST_CUSTOM  # what _durs is reset to at each step's start
+        self._t0: Any = 0
+        self._last: Any = 0
+        self._in_coll = False  # the training thread is inside a wrapped collective (collectives.py)
         self._next_index = int(start_step)
         self._pending: deque[_StepData] = deque()
         self._max_pending = int(getattr(config, "max_pending_steps", 256))
         self._gap: list[list[Any]] = []
         self._agg_threshold = int(getattr(config, "collective_aggregate_threshold", 64))
-        self._phases: dict[str, Phase] = {}
         self._state_names: list[str] = list(STATE_NAMES)
+        self._phases = _PhaseTable(self)
+        self.phase: Callable[[str], Phase] = self._phases.__getitem__  # see the class docstring
         self._step_cm = Step(self)
         # FLOPs
         self._flops_per_step = flops_per_step
@@ -307,16 +400,15 @@ class Run:
         cm._index = step
         return cm
 
-    def phase(self, name: str) -> Phase:
-        """Context manager of phase ``name`` of the current step: "data", "forward", "backward",
-        "optimizer" fill their columns; any other name is a custom compute phase (in compute_s)."""
-        p = self._phases.get(name)
-        if p is None:
-            state = STATE_NAMES.index(name) if name in STATE_NAMES[: _FIRST_CUSTOM - 1] else None
-            if state is None:
-                state = len(self._state_names)
-                self._state_names.append(name)
-            p = self._phases[name] = Phase(self, name, state)
+    def _new_phase(self, name: str) -> Phase:
+        state = STATE_NAMES.index(name) if name in STATE_NAMES[: _FIRST_CUSTOM - 1] else None
+        if state is None:
+            state = len(self._state_names)
+            self._state_names.append(name)
+            self._zeros.append(0)
+            if len(self._durs) <= state:  # a custom phase first seen inside an open step
+                self._durs.append(0)
+        p = self._phases[name] = Phase(self, name, state)
         return p
 
     def count(self, tokens: Any = None, padded_tokens: int | None = None, samples: int | None = None) -> None:
@@ -426,6 +518,7 @@ class Run:
         self._finished = True
         self._closed = True
         self._step = None
+        self._fast = False
         self._pending = deque()
         self._gap = []
         self._flop_watch = False
@@ -472,6 +565,8 @@ class Run:
             except Exception as e:  # noqa: BLE001
                 self._error("memory", e)
                 self._mem = NullSampler()
+            self._mem_interval = int(getattr(self._mem, "min_interval_ns", 0))
+            self._mem_next = -(1 << 62)
         self._ensure_collectives()
 
     def _setup_clock(self) -> None:
@@ -508,20 +603,37 @@ class Run:
         if self._stack:
             self._stack = []
         self._cur = state
-        st.marks.append((self._mark(), state))
+        m = self._mark()
+        if self._cpu:
+            self._durs[:] = self._zeros
+            self._t0 = m
+            self._last = m - _BIG
+        else:
+            st.marks = [(m, state)]
         if self._gap:
             st.pre_calls, self._gap = self._gap, []
         self._step = st
-        if self._flop_watch and state == FORWARD:
-            self._flops_start()
+        if self._flop_watch:
+            self._fast = False
+            if state == FORWARD:
+                self._flops_start()
+        else:
+            self._fast = self._cpu
         return st
 
-    def _to(self, state: int) -> None:
-        st = self._step
-        if st is None:
-            return
-        st.marks.append((self._mark(), state))
+    def _at(self, m: Any, state: int) -> None:
+        """Transition of the open step to ``state`` at mark ``m`` (already taken)."""
+        if self._cpu:
+            self._durs[self._cur] += m - self._last
+            self._last = m - _BIG
+        else:
+            self._step.marks.append((m, state))  # type: ignore[union-attr]
         self._cur = state
+
+    def _to(self, state: int) -> None:
+        if self._step is None:
+            return
+        self._at(self._mark(), state)
         if self._flop_watch:
             self._flops_transition(state)
 
@@ -533,28 +645,140 @@ class Run:
         if self._stack:
             self._to(self._stack.pop())
 
+    def _end_fast(self, st: _StepData) -> None:
+        """``_end`` and ``_submit_step`` on the host clock, inlined (``_fast``: no FLOP counting)."""
+        mark = self._mark
+        m = mark()
+        durs = self._durs
+        durs[self._cur] += m - self._last
+        self._step = None
+        self._fast = False
+        if self._stack:
+            self._stack = []
+        self._cur = OTHER
+        index = st.index
+        self._next_index = index + 1
+        self._nsteps += 1
+        mem = _NONE4
+        every = self._mem_every
+        if every and (every == 1 or index % every == 0):
+            # RSS moves slowly and a /proc read is a 2-4 µs syscall: read at most every
+            # _mem_interval ns of the step clock, report the last reading in between
+            if m >= self._mem_next:
+                self._mem_next = m + self._mem_interval
+                try:
+                    self._mem_val = self._mem.sample()
+                except Exception as e:  # noqa: BLE001
+                    self._mem_val = _NONE4
+                    self._error("memory", e)
+            mem = self._mem_val
+        t0 = self._t0
+        if st.pre_calls or st.ddp or st.flops is not None:
+            st.mem = mem
+            self._submit_step(st, durs, m - t0, t0, m)
+            return
+        calls = st.calls
+        comm_total_ns = self._emit_collectives_cpu(st, t0, m, durs) if calls else 0
+        data = durs[DATA]
+        fwd = durs[FORWARD]
+        bwd = durs[BACKWARD]
+        opt = durs[OPTIMIZER]
+        comm = durs[COMM]
+        step_ns = m - t0
+        data_ns = data & _MASK
+        fwd_ns = fwd & _MASK
+        bwd_ns = bwd & _MASK
+        opt_ns = opt & _MASK
+        comm_ns = comm & _MASK
+        compute_ns = fwd_ns + bwd_ns + opt_ns
+        if len(durs) > _FIRST_CUSTOM:
+            for d in durs[_FIRST_CUSTOM:]:
+                compute_ns += d & _MASK
+        other_ns = step_ns - data_ns - compute_ns - comm_ns
+        flags = 0
+        if other_ns < 0:  # cannot happen with one clock (integer ns); kept as the safety net
+            flags = FLAG_NEGATIVE_RESIDUAL
+            other_ns = 0
+            self.counters["negative_residuals"] += 1
+        if self._flops_given:
+            flops = self._flops_per_step
+        elif self._flops_per_token is not None and (st.padded or st.tokens):
+            flops = self._flops_per_token * (st.padded or st.tokens)
+        else:
+            flops = self._flops_per_step
+        has_comm = self._collectives_installed or bool(calls)
+        self._submit(
+            "rank_step",
+            (
+                self.rank,
+                index,
+                step_ns / 1e9,
+                st.ts,
+                data_ns / 1e9 if data else None,
+                compute_ns / 1e9,
+                fwd_ns / 1e9 if fwd else None,
+                bwd_ns / 1e9 if bwd else None,
+                opt_ns / 1e9 if opt else None,
+                comm_ns / 1e9 if (has_comm or comm) else None,
+                comm_total_ns / 1e9 if has_comm else None,
+                other_ns / 1e9,
+                st.tokens,
+                st.padded,
+                st.samples,
+                flops,
+                mem[0],
+                mem[1],
+                mem[2],
+                mem[3],
+                flags,
+            ),
+        )
+        if st.modality:
+            for name, v in st.modality.items():
+                self._submit("modality_tokens", (self.rank, index, name, v))
+
     def _end(self) -> None:
         st = self._step
         if st is None:
             return
+        if self._fast:
+            self._end_fast(st)
+            return
         if self._flop_meter is not None and self._flop_meter.active:
             self._flops_stop()  # before the end mark: its cost stays inside the flagged step
-        st.marks.append((self._mark(), OTHER))
+        m = self._mark()
+        cpu = self._cpu
+        if cpu:
+            durs = self._durs
+            durs[self._cur] += m - self._last
+        else:
+            st.marks.append((m, OTHER))
         self._step = None
+        self._fast = False
         if self._stack:
             self._stack = []
         self._cur = OTHER
+        index = st.index
         every = self._mem_every
-        if every and (every == 1 or st.index % every == 0):
+        if every and (every == 1 or index % every == 0):
             try:
-                st.mem = self._mem.sample()
+                if not cpu:
+                    st.mem = self._mem.sample()
+                else:
+                    # RSS moves slowly and a /proc read is a 2-4 µs syscall: read it at most every
+                    # _mem_interval ns of the step clock, report the last reading in between
+                    if m >= self._mem_next:
+                        self._mem_val = self._mem.sample()
+                        self._mem_next = m + self._mem_interval
+                    st.mem = self._mem_val
             except Exception as e:  # noqa: BLE001
                 self._error("memory", e)
-        self._next_index = st.index + 1
+        self._next_index = index + 1
         self._nsteps += 1
-        if self._cpu and not self._pending:
+        if cpu:
             try:
-                self._emit_cpu(st)
+                t0 = self._t0
+                self._submit_step(st, durs, m - t0, t0, m)
             except Exception as e:  # noqa: BLE001
                 self._error("emit", e)
         else:
@@ -577,6 +801,7 @@ class Run:
         st = self._step
         assert st is not None
         self._step = None
+        self._fast = False
         self._stack = []
         self._cur = OTHER
         if self._flop_meter is not None and self._flop_meter.active:
@@ -708,8 +933,7 @@ class Run:
         if sync and _get_ident() == self._tid and (self._cpu or clock.on_main_stream()):
             call[C_KIND] = K_TRAINING | K_PUSHED
             self._stack.append(cur)
-            st.marks.append((m, COMM))
-            self._cur = COMM
+            self._at(m, COMM)
         return call
 
     def _gap_call(self, op: str, n: int, nbytes: int, sync: bool, kind: int) -> list[Any]:
@@ -732,11 +956,8 @@ class Run:
         if sync:
             call[C_DONE] = m
             if kind & K_PUSHED:
-                st = self._step
-                if st is not None and self._stack and self._cur == COMM:
-                    state = self._stack.pop()
-                    st.marks.append((m, state))
-                    self._cur = state
+                if self._step is not None and self._stack and self._cur == COMM:
+                    self._at(m, self._stack.pop())
 
     def _coll_done_async(self, call: list[Any]) -> None:
         """Completion callback of an async collective (any thread)."""
@@ -751,8 +972,7 @@ class Run:
         pushed = False
         if st is not None and _get_ident() == self._tid and clock.on_main_stream():
             self._stack.append(self._cur)
-            st.marks.append((m, COMM))
-            self._cur = COMM
+            self._at(m, COMM)
             pushed = True
         return (m, pushed)
 
@@ -760,11 +980,8 @@ class Run:
         kind = call[C_KIND]
         m = (_HOST if kind & K_HOST else self._clock).mark()
         m0, pushed = token
-        st = self._step
-        if pushed and st is not None and self._stack and self._cur == COMM:
-            state = self._stack.pop()
-            st.marks.append((m, state))
-            self._cur = state
+        if pushed and self._step is not None and self._stack and self._cur == COMM:
+            self._at(m, self._stack.pop())
         if pushed:
             ex = call[C_EXPOSED]
             if ex is None:
@@ -841,26 +1058,9 @@ class Run:
             except Exception as e:  # noqa: BLE001
                 self._error("emit", e)
 
-    def _emit_cpu(self, st: _StepData) -> None:
-        """Resolve and submit a step timed by the host clock (marks are ints: plain subtraction)."""
-        marks = st.marks
-        durs = [0] * len(self._state_names)
-        seen = 0
-        t_prev, s_prev = marks[0]
-        t0 = t_prev
-        for t, s in marks:
-            durs[s_prev] += t - t_prev
-            seen |= 1 << s_prev
-            t_prev = t
-            s_prev = s
-        self._submit_step(st, durs, seen, t_prev - t0, t0, t_prev)
-
     def _emit(self, st: _StepData) -> None:
-        """Resolve and submit a step whose marks are all ready (any clock)."""
+        """Resolve and submit a step timed by CUDA events, all of them complete."""
         clock = self._clock
-        if clock.kind == "cpu":
-            self._emit_cpu(st)
-            return
         # a mark skipped during a CUDA-graph capture: the step cannot be timed
         if st.check is not None and None in st.check:
             self.counters["steps_in_graph_capture"] += 1
@@ -870,17 +1070,15 @@ class Run:
         marks = st.marks
         origin = marks[0][0]
         durs = [0] * len(self._state_names)
-        seen = 0
         prev_off = 0
         prev_state = marks[0][1]
         for i in range(1, len(marks)):
             m, s = marks[i]
             off = el(origin, m)
-            durs[prev_state] += off - prev_off
-            seen |= 1 << prev_state
+            durs[prev_state] += off - prev_off + _BIG  # see _BIG
             prev_off = off
             prev_state = s
-        self._submit_step(st, durs, seen, prev_off, origin, marks[-1][0])
+        self._submit_step(st, durs, prev_off, origin, marks[-1][0])
         used = [m for m, _ in marks]
         for c in (*st.pre_calls, *st.calls):
             if not c[C_KIND] & K_HOST:
@@ -891,32 +1089,36 @@ class Run:
                     used.append(b)
         clock.release(used)
 
-    def _submit_step(
-        self, st: _StepData, durs: list[int], seen: int, step_ns: int, origin: Any, end: Any
-    ) -> None:
-        """Build the rank_step tuple from per-state nanoseconds and submit it (and its collectives)."""
+    def _submit_step(self, st: _StepData, durs: list[int], step_ns: int, origin: Any, end: Any) -> None:
+        """Build the rank_step tuple from the per-state accumulators (k·_BIG + ns, 0 = the state never
+        occurred) and submit it, after the step's collectives."""
         flags = st.flags
         comm_total_ns = 0
         if st.calls or st.pre_calls:
-            comm_total_ns, ddp_tail_ns, tail_state = self._emit_collectives(st, origin, end)
+            comm_total_ns, ddp_tail_ns, tail_state = self._emit_collectives(st, origin, end, durs)
             if ddp_tail_ns > 0:
                 # the training thread waited for DDP's last buckets inside backward: move that time
                 # from the phase it was charged to into exposed comm. A tail longer than the phase is
                 # a measurement error: only the phase's time moves (the server rejects components
                 # that exceed step_s) and the step is flagged, not silently clamped.
-                moved = min(ddp_tail_ns, durs[tail_state])
+                moved = min(ddp_tail_ns, durs[tail_state] & _MASK)
                 if moved < ddp_tail_ns:
                     flags |= FLAG_NEGATIVE_RESIDUAL
                     self.counters["negative_residuals"] += 1
                 durs[tail_state] -= moved
-                durs[COMM] += moved
-                seen |= 1 << COMM
+                durs[COMM] = (durs[COMM] or _BIG) + moved
 
-        data_ns = durs[DATA]
-        compute_ns = durs[FORWARD] + durs[BACKWARD] + durs[OPTIMIZER]
+        data = durs[DATA]
+        fwd = durs[FORWARD]
+        bwd = durs[BACKWARD]
+        opt = durs[OPTIMIZER]
+        comm = durs[COMM]
+        data_ns = data & _MASK
+        compute_ns = (fwd & _MASK) + (bwd & _MASK) + (opt & _MASK)
         if len(durs) > _FIRST_CUSTOM:
-            compute_ns += sum(durs[_FIRST_CUSTOM:])
-        comm_ns = durs[COMM]
+            for d in durs[_FIRST_CUSTOM:]:
+                compute_ns += d & _MASK
+        comm_ns = comm & _MASK
         other_ns = step_ns - data_ns - compute_ns - comm_ns
         if other_ns < 0:  # cannot happen with one clock (integer ns); kept as the safety net
             flags |= FLAG_NEGATIVE_RESIDUAL
@@ -944,12 +1146,12 @@ class Run:
                 st.index,
                 step_ns / 1e9,
                 st.ts,
-                data_ns / 1e9 if seen & _BIT_DATA else None,
+                data_ns / 1e9 if data else None,
                 compute_ns / 1e9,
-                durs[FORWARD] / 1e9 if seen & _BIT_FORWARD else None,
-                durs[BACKWARD] / 1e9 if seen & _BIT_BACKWARD else None,
-                durs[OPTIMIZER] / 1e9 if seen & _BIT_OPTIMIZER else None,
-                comm_ns / 1e9 if (has_comm or seen & _BIT_COMM) else None,
+                (fwd & _MASK) / 1e9 if fwd else None,
+                (bwd & _MASK) / 1e9 if bwd else None,
+                (opt & _MASK) / 1e9 if opt else None,
+                comm_ns / 1e9 if (has_comm or comm) else None,
                 comm_total_ns / 1e9 if has_comm else None,
                 other_ns / 1e9,
                 st.tokens,
@@ -976,8 +1178,12 @@ class Run:
             self._flops_per_token = flops / (st.padded or st.tokens)
         self.event("flops", step=st.index, flops=float(flops), tokens=st.tokens, source="measured")
 
-    def _emit_collectives_cpu(self, st: _StepData, origin: Any, end_mark: Any) -> int:
-        """The common case, inlined: host clock, no DDP buckets, one record per call."""
+    def _emit_collectives_cpu(
+        self, st: _StepData, origin: Any, end_mark: Any, durs: list[int] | None = None
+    ) -> int:
+        """The common case, inlined: host clock, no DDP buckets, one record per call; returns the
+        summed duration of the step's own calls (not the leftovers before it). The time of the step's
+        K_FAST calls moves from the state they were issued in to COMM in ``durs``."""
         pre = st.pre_calls
         n_pre = len(pre)
         rank = self.rank
@@ -987,50 +1193,54 @@ class Run:
         comm_total = 0
         incomplete = 0
         seq = 0
-        for c in (*pre, *st.calls) if n_pre else st.calls:
-            issue, done = c[C_ISSUE], c[C_DONE]
-            if done is None:
-                incomplete += 1
-                total = 0 if (seq < n_pre or end_mark is None) else max(0, end_mark - issue)
-            else:
+        for op, n, nbytes, issue, done, pairs, kind, state, ts in (*pre, *st.calls) if n_pre else st.calls:
+            if pairs is None and done is not None:
                 total = done - issue
-            pairs = c[C_EXPOSED]
-            if pairs is not None:
-                exposed = 0
-                for a, b in pairs:
-                    exposed += b - a
-                    if a - issue <= total < b - issue:
-                        total = b - issue  # see _emit_collectives
-                if exposed > total:
-                    exposed = total
+                exposed = total if kind & K_TRAINING else 0
             else:
-                exposed = total if c[C_KIND] & K_TRAINING else 0
-            ts = c[C_TS]
+                if done is None:
+                    incomplete += 1
+                    total = 0 if (seq < n_pre or end_mark is None) else max(0, end_mark - issue)
+                else:
+                    total = done - issue
+                exposed = 0
+                if pairs is not None:
+                    for a, b in pairs:
+                        exposed += b - a
+                        if a - issue <= total < b - issue:
+                            total = b - issue  # see _emit_collectives
+                    if exposed > total:
+                        exposed = total
+                elif kind & K_TRAINING:
+                    exposed = total
             if ts is None:
                 ts = ts0 + (issue - origin) / 1e9
             if seq >= n_pre:
                 comm_total += total
-            submit(
-                "collective",
-                (rank, index, seq, c[C_OP], c[C_N], c[C_BYTES], 1, total / 1e9, exposed / 1e9, ts),
-            )
+                if kind & K_FAST and durs is not None:
+                    durs[state] -= total
+                    durs[COMM] += total
+            submit("collective", (rank, index, seq, op, n, nbytes, 1, total / 1e9, exposed / 1e9, ts))
             seq += 1
         if incomplete:
             self.counters["collectives_incomplete"] += incomplete
         self.counters["collectives"] += seq
         return comm_total
 
-    def _emit_collectives(self, st: _StepData, origin: Any, end_mark: Any = None) -> tuple[int, int, int]:
+    def _emit_collectives(
+        self, st: _StepData, origin: Any, end_mark: Any = None, durs: list[int] | None = None
+    ) -> tuple[int, int, int]:
         """Submit the step's collective records; return (comm_total_ns, ddp_tail_ns, tail_state).
 
-        ``origin``/``end_mark``: the step's first and last marks (None for leftovers at finish)."""
+        ``origin``/``end_mark``: the step's first and last marks (None for leftovers at finish);
+        ``durs``: the step's per-state accumulators, where the time of K_FAST calls moves to COMM."""
         pre = st.pre_calls
         calls = st.calls
         n_pre = len(pre)
         clock = self._clock or _HOST
         cpu = clock.kind == "cpu"
         if cpu and not st.ddp and n_pre + len(calls) <= self._agg_threshold:
-            return self._emit_collectives_cpu(st, origin, end_mark), 0, BACKWARD
+            return self._emit_collectives_cpu(st, origin, end_mark, durs), 0, BACKWARD
         el = clock.elapsed_ns
         host_el = _HOST.elapsed_ns
         ts0 = st.ts
@@ -1072,6 +1282,9 @@ class Run:
                 comm_total += total
                 if kind & K_DDP and done is not None:
                     ddp.append((len(rows), e(origin, issue), e(origin, done)))
+                elif kind & K_FAST and durs is not None:
+                    durs[c[C_STATE]] -= total
+                    durs[COMM] += total
             rows.append([c[C_OP], c[C_N], c[C_BYTES], total, exposed, ts])
         if incomplete:
             self.counters["collectives_incomplete"] += incomplete

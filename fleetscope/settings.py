@@ -40,6 +40,10 @@ class Settings(BaseSettings):
     pool_size: int = 8
     public_url: str | None = Field(default=None, description="dashboard base URL used in deep links")
     slack_webhook_url: str | None = Field(default=None, repr=False)
+    alert_webhook_url: str | None = Field(default=None, repr=False, description="generic JSON webhook for alerts")
+    alerts_enabled: bool = Field(default=True, description="run regression detection after compaction passes")
+    alert_interval_s: float = Field(default=5.0, description="at most one detection pass this often")
+    alert_step_check_interval_s: float = Field(default=60.0, description="within-run detection per running run")
 
 
 @lru_cache(maxsize=1)

@@ -94,6 +94,9 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
         state = AppState(settings, engine, ingest, compactor, TokenVerifier(engine), metrics)
         app.state.fs = state
         state_ref["state"] = state
+        from .analysis.service import start_analysis
+
+        stop_analysis = start_analysis(state, start_background=start_background)
         if settings.insecure_no_auth:
             log.warning("AUTH IS DISABLED (--insecure-no-auth): anyone who can reach this port can write data")
         if start_background:
@@ -103,6 +106,7 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
             yield
         finally:
             state.ready = False
+            stop_analysis()
             compactor.stop()
             try:
                 compactor.run_once()
@@ -117,11 +121,13 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
         lifespan=lifespan,
     )
 
-    from .routes import health, ingest, runs
+    from .routes import benchmarks, health, ingest, runs, traces
 
     app.include_router(health.router)
     app.include_router(ingest.router, prefix="/api/v1")
     app.include_router(runs.router, prefix="/api/v1")
+    app.include_router(benchmarks.router, prefix="/api/v1")
+    app.include_router(traces.router, prefix="/api/v1")
     try:
         from .routes import alerts
 

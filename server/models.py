@@ -280,6 +280,7 @@ class RankRollup(Base):
     steps: Mapped[int] = mapped_column(Integer, server_default="0")
     above: Mapped[int] = mapped_column(Integer, server_default="0")  # steps with ratio > 1.05
     hist: Mapped[bytes | None] = mapped_column(LargeBinary)
+    slowdown: Mapped[float | None] = mapped_column(Double)  # median ratio from hist, kept at fold time
     work_s: Mapped[float] = mapped_column(Double, server_default="0")
     step_s: Mapped[float] = mapped_column(Double, server_default="0")
     data_s: Mapped[float] = mapped_column(Double, server_default="0")
@@ -312,7 +313,7 @@ class RunStat(Base):
 
     __tablename__ = "run_stats"
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    steps: Mapped[int] = mapped_column(Integer)
+    rank_steps: Mapped[int] = mapped_column(BigInteger)  # the run's rank_steps when computed
     status: Mapped[str] = mapped_column(String(16))
     stats: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
     computed_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())

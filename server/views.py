@@ -33,6 +33,7 @@ __all__ = [
     "run_events",
     "run_traces",
     "analysis",
+    "bottleneck_report",
     "compare_view",
     "scaling_view",
     "alerts_view",
@@ -107,8 +108,9 @@ def _iso(v: Any) -> Any:
     return v.isoformat() if isinstance(v, dt.datetime) else v
 
 
-def _runs(c: Any, where: str = "", params: dict[str, Any] | None = None, limit: int = 2000) -> list[dict[str, Any]]:
-    sql = f"SELECT {_RUN_COLS} FROM runs {where} ORDER BY started_at DESC, id DESC LIMIT :limit"
+def _runs(c: Any, where: str = "", params: dict[str, Any] | None = None, limit: int = 2000,
+          order: str = "started_at DESC, id DESC") -> list[dict[str, Any]]:
+    sql = f"SELECT {_RUN_COLS} FROM runs {where} ORDER BY {order} LIMIT :limit"
     return [{k: _iso(v) for k, v in r._mapping.items()} for r in c.execute(text(sql), {**(params or {}), "limit": limit})]
 
 
@@ -138,6 +140,12 @@ def run_summaries(engine: Engine, runs: list[dict[str, Any]]) -> dict[int, dict[
             d["decomposition"] = decomposition
             d["bottlenecks"] = amdahl_ranking(decomposition, d["straggler_wait_s"])
             got[rid] = d
+        stats = analysis("run_stats", engine, run_ids=list(got)) if got else None
+        for rid, d in got.items():
+            st = (stats or {}).get(rid) or {}
+            if st.get("shares"):
+                # one definition of the top bottleneck on every page: the analysis layer's shares
+                d["bottlenecks"] = _ranking_from_shares(st["shares"], d["step_s"])
         with _summary_lock:
             for rid in todo:
                 d = got.get(rid) or {"n_steps": 0, "decomposition": {}, "bottlenecks": []}
@@ -149,7 +157,7 @@ def run_summaries(engine: Engine, runs: list[dict[str, Any]]) -> dict[int, dict[
 def fleet_rows(
     engine: Engine, *, family: str | None = None, status: str | None = None, q: str | None = None, limit: int = 2000
 ) -> list[dict[str, Any]]:
-    """Runs (newest first) with their summary figures, top bottleneck and firing alert count."""
+    """Runs (running ones first, then newest) with their summary figures, top bottleneck and firing alerts."""
     where, params = [], {}
     if family:
         where.append("model_family = :family")
@@ -161,7 +169,9 @@ def fleet_rows(
         where.append("name ILIKE :q")
         params["q"] = f"%{q}%"
     with engine.connect() as c:
-        runs = _runs(c, ("WHERE " + " AND ".join(where)) if where else "", params, limit)
+        # active runs first, then the most recent
+        runs = _runs(c, ("WHERE " + " AND ".join(where)) if where else "", params, limit,
+                     order="(status = 'running') DESC, started_at DESC, id DESC")
         alerts = dict(
             c.execute(
                 text("SELECT run_id, count(*) FROM alerts WHERE state = 'firing' AND run_id = ANY(:ids) GROUP BY run_id"),
@@ -270,26 +280,27 @@ def _topology(run: dict[str, Any]) -> dict[str, Any]:
     return meta.get("topology") or cfg.get("topology") or {}
 
 
-def collectives_view(engine: Engine, run_id: int) -> list[dict[str, Any]]:
+def collectives_view(engine: Engine, run_id: int) -> dict[str, Any]:
     """Collectives by op × group × message size with busbw and, where the run declares its topology
-    (``meta.topology``: ``intra_node_bytes_per_s``, ``inter_node_bytes_per_s``, ``gpus_per_node``),
-    efficiency = busbw / peak of the group's slowest link."""
+    (``meta.topology``), efficiency = busbw / peak of the group's slowest link."""
     eff = analysis("collective_efficiency", engine, run_id=run_id)
-    if isinstance(eff, list) and eff:
-        return eff
+    if isinstance(eff, dict) and eff.get("collectives") is not None:
+        rows = sorted(eff["collectives"], key=lambda r: -r["total_s"])
+        return {"rows": rows, "efficiency_large_messages": eff.get("efficiency_large_messages"), "note": eff.get("note")}
     rows = queries.run_collectives(engine, run_id)
     run = queries.get_run(engine, run_id) or {}
     topo = _topology(run)
     per_node = topo.get("gpus_per_node")
     for r in rows:
         peak = None
-        if topo:
-            inter = per_node is not None and r["group_size"] > int(per_node)
+        if topo and per_node:
+            inter = r["group_size"] > int(per_node)
             peak = topo.get("inter_node_bytes_per_s" if inter else "intra_node_bytes_per_s")
         r["link_peak_bytes_per_s"] = peak
         bus = r.get("busbw_bytes_per_s")
         r["efficiency"] = bus / peak if bus is not None and peak else None
-    return rows
+    note = None if topo else "link peak unknown: declare meta.topology to get efficiency"
+    return {"rows": rows, "efficiency_large_messages": None, "note": note}
 
 
 def run_events(engine: Engine, run_id: int, limit: int = 500) -> list[dict[str, Any]]:
@@ -305,41 +316,82 @@ def run_events(engine: Engine, run_id: int, limit: int = 500) -> list[dict[str, 
 
 def run_traces(engine: Engine, run_id: int) -> Any:
     """Trace summaries of a run via ``traces_store.run_traces`` when that module exists, else None."""
+    fn = _optional("traces_store", "run_traces")
+    return _call(fn, engine, run_id) if fn else None
+
+
+def _optional(module: str, name: str) -> Any:
+    """``server.<module>.<name>`` if it exists (parts written in parallel appear over time), else None."""
     try:
-        mod = importlib.import_module(f"{__package__}.traces_store")
+        mod = importlib.import_module(f"{__package__}.{module}")
     except ImportError:
         return None
-    fn = getattr(mod, "run_traces", None)
-    if fn is None:
-        return None
+    fn = getattr(mod, name, None)
+    return fn if callable(fn) else None
+
+
+def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
     try:
-        return fn(engine, run_id)
-    except Exception:  # noqa: BLE001 - an optional section must not break the run page
-        log.exception("run_traces failed for run %s", run_id)
+        return fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - an optional section must not break a page; logged, never shown as data
+        log.exception("%s failed", getattr(fn, "__qualname__", fn))
         return None
 
 
 def analysis(name: str, engine: Engine, **kwargs: Any) -> Any:
-    """Call ``server.analysis.<module>.<name>`` when it exists; None when it does not (yet) or fails.
+    """Call an analysis function by its short name when it exists; None when it does not (yet) or fails."""
+    fn = _optional(*_ANALYSIS[name]) if name in _ANALYSIS else None
+    return _call(fn, engine, **kwargs) if fn else None
 
-    Looks for ``name`` in ``server.analysis`` first, then in a submodule of the same name."""
-    try:
-        pkg = importlib.import_module(f"{__package__}.analysis")
-    except ImportError:
-        return None
-    fn = getattr(pkg, name, None)
-    if fn is None:
-        try:
-            fn = getattr(importlib.import_module(f"{__package__}.analysis.{name}"), name, None)
-        except ImportError:
-            return None
-    if not callable(fn):
-        return None
-    try:
-        return fn(engine, **kwargs)
-    except Exception:  # noqa: BLE001 - analysis is optional on a page; its failure is logged, not shown as data
-        log.exception("analysis %s(%s) failed", name, kwargs)
-        return None
+
+_ANALYSIS = {
+    "bottlenecks": ("analysis.bottlenecks", "run_bottlenecks"),
+    "stragglers": ("analysis.stragglers", "run_stragglers"),
+    "collective_efficiency": ("analysis.collectives", "collective_efficiency"),
+    "goodput": ("analysis.goodput", "run_goodput"),
+    "run_stats": ("analysis.runstats", "run_stats"),
+    "scaling": ("analysis.scaling", "scaling"),
+    "compare_runs": ("analysis.scaling", "compare_runs"),
+}
+
+_KEY_OF = {"data": "data_s", "compute": "compute_s", "comm_exposed": "comm_exposed_s", "other": "other_s",
+           "straggler_wait": "straggler_wait_s"}
+
+
+def _ranking_from_shares(shares: dict[str, float] | None, step_s: float | None) -> list[dict[str, Any]]:
+    if not shares:
+        return []
+    labels = dict(COMPONENTS) | {"straggler_wait_s": "straggler wait"}
+    out = []
+    for k, p in shares.items():
+        key = _KEY_OF.get(k, k)
+        p = float(p or 0.0)
+        out.append({"component": labels.get(key, k), "key": key, "share": p, "seconds": p * (step_s or 0.0),
+                    "max_speedup": 1.0 / (1.0 - p) if p < 1 else None})
+    out.sort(key=lambda d: -d["share"])
+    return out
+
+
+def bottleneck_report(engine: Engine, run_id: int, summary: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Components ranked by Amdahl ceiling with findings: the analysis layer's report (as the run
+    summary carries it) when present, else shares of the median step (``source`` says which)."""
+    summary = summary if summary is not None else (queries.run_summary(engine, run_id) or {})
+    comps = summary.get("bottlenecks") or []
+    if not comps:
+        rep = analysis("bottlenecks", engine, run_id=run_id)
+        comps = (rep or {}).get("components") or []
+    step = (summary.get("decomposition") or {}).get("step_s")
+    if comps:
+        ranking = _ranking_from_shares({c["component"]: c["share"] for c in comps}, step)
+        by_key = {_KEY_OF.get(c["component"], c["component"]): c for c in comps}
+        for r in ranking:
+            c = by_key.get(r["key"], {})
+            r["findings"] = list(c.get("findings") or ([c["finding"]] if c.get("finding") and c.get("findings") is None else []))
+        return {"ranking": ranking, "findings": [f for r in ranking for f in r["findings"]], "source": "analysis"}
+    if not summary:
+        return {"ranking": [], "findings": [], "source": "none"}
+    wait = run_summaries(engine, [summary["run"]]).get(run_id, {}).get("straggler_wait_s")
+    return {"ranking": amdahl_ranking(summary["decomposition"], wait), "findings": [], "source": "summary"}
 
 
 def _normalised(r: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
@@ -370,6 +422,20 @@ def compare_view(engine: Engine, run_ids: list[int], *, max_points: int = 400) -
     ordered = [by_id[i] for i in run_ids if i in by_id]
     sums = run_summaries(engine, ordered)
     metrics = {r["id"]: _normalised(r, sums.get(r["id"], {})) for r in ordered}
+    rep = analysis("compare_runs", engine, run_ids=[r["id"] for r in ordered]) if ordered else None
+    for row in (rep or {}).get("runs") or []:
+        m = metrics.get(row["id"])
+        if m is None:
+            continue
+        # the analysis layer's figures win (one definition for compare, scaling, regressions and check)
+        for k in ("tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_s", "overlap_ratio"):
+            if row.get(k) is not None:
+                m[k] = row[k]
+        if row.get("step_s_per_1k_tokens") is not None:
+            m["step_ms_per_1k_tokens"] = row["step_s_per_1k_tokens"] * 1e3
+        for k, v in (row.get("decomposition") or {}).items():
+            if v is not None:
+                m[k] = v
     keys = sorted({k for r in ordered for k in (r.get("config") or {})})
     config_rows = []
     for k in keys:
@@ -384,21 +450,44 @@ def compare_view(engine: Engine, run_ids: list[int], *, max_points: int = 400) -
     return {"runs": ordered, "metrics": metrics, "config": config_rows, "series": series, "missing": missing}
 
 
-_SCALING_VOLATILE = ("batch", "world", "seed", "nodes", "gpus", "name")
+_SCALING_VOLATILE = ("batch", "world", "seed", "nodes", "gpus", "name", "dp")
+_SHARE_KEYS = ("data", "compute", "comm_exposed", "other", "straggler_wait")
 
 
-def _config_group(r: dict[str, Any]) -> str:
-    cfg = {k: v for k, v in (r.get("config") or {}).items() if not any(t in k.lower() for t in _SCALING_VOLATILE)}
+def _config_label(device: str | None, config: dict[str, Any] | None) -> str:
+    cfg = {k: v for k, v in (config or {}).items() if not any(t in k.lower() for t in _SCALING_VOLATILE)}
     items = ", ".join(f"{k}={cfg[k]}" for k in sorted(cfg))
-    return f"{r.get('device_type') or '?'}" + (f" · {items}" if items else "")
+    label = f"{device or '?'}" + (f" · {items}" if items else "")
+    return label if len(label) <= 90 else label[:87] + "…"
+
+
+def _scaling_from_analysis(rep: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for g in rep.get("groups") or []:
+        pts = []
+        for p in g["points"]:
+            step = p.get("step_s")
+            shares = p.get("shares") or {}
+            comp = {_KEY_OF[k]: (shares.get(k) * step if shares.get(k) is not None and step else None) for k in _SHARE_KEYS}
+            pts.append({"world_size": p["world_size"], "runs": p["runs"], "run_names": p["run_names"],
+                        "tokens_per_s": p.get("throughput_tokens_per_s"), "ideal_tokens_per_s": p.get("ideal_throughput_tokens_per_s"),
+                        "efficiency": p.get("efficiency"), "step_s": step, "mfu": p.get("mfu"), **comp})
+        growth = g.get("growing_component")
+        out.append({"config": _config_label(g.get("device_type"), g.get("config")), "mode": g.get("mode") or "unknown",
+                    "points": pts, "growth": growth.get("explanation") if isinstance(growth, dict) else None})
+    return out
 
 
 def scaling_view(engine: Engine, family: str) -> dict[str, Any]:
     """Throughput and scaling efficiency against world size per configuration of a family.
 
-    Per (configuration, world size) the median over runs; weak-scaling efficiency
-    (throughput(n)/n)/(throughput(n0)/n0) when the global batch grows with n, strong-scaling
-    (step(n0)·n0)/(step(n)·n) when it is fixed (metrics.md "Scaling")."""
+    The analysis layer's curves when present (``analysis.scaling``); else, per (configuration, world
+    size), the median over runs: weak-scaling efficiency (throughput(n)/n)/(throughput(n0)/n0) when
+    the global batch grows with n, strong-scaling (step(n0)·n0)/(step(n)·n) when it is fixed."""
+    rep = analysis("scaling", engine, family=family)
+    if isinstance(rep, dict) and "groups" in rep:
+        cfgs = _scaling_from_analysis(rep)
+        return {"family": family, "configs": [c for c in cfgs if c["points"]], "source": "analysis"}
     with engine.connect() as c:
         runs = _runs(c, "WHERE model_family = :f", {"f": family}, limit=5000)
     sums = run_summaries(engine, runs)
@@ -407,7 +496,7 @@ def scaling_view(engine: Engine, family: str) -> dict[str, Any]:
         s = sums.get(r["id"]) or {}
         if not s.get("n_steps") or s.get("tokens_per_s") is None:
             continue
-        groups.setdefault(_config_group(r), {}).setdefault(int(r["world_size"]), []).append((r, s))
+        groups.setdefault(_config_label(r.get("device_type"), r.get("config")), {}).setdefault(int(r["world_size"]), []).append((r, s))
     out = []
     for name, by_n in groups.items():
         sizes = sorted(by_n)
@@ -430,9 +519,9 @@ def scaling_view(engine: Engine, family: str) -> dict[str, Any]:
             else:
                 p["efficiency"] = (p["tokens_per_s"] / n) / (p0["tokens_per_s"] / n0) if p0["tokens_per_s"] else None
             p["ideal_tokens_per_s"] = p0["tokens_per_s"] * n / n0
-        out.append({"config": name, "mode": "strong" if strong else "weak", "points": pts})
+        out.append({"config": name, "mode": "strong" if strong else "weak", "points": pts, "growth": None})
     out.sort(key=lambda g: -len(g["points"]))
-    return {"family": family, "configs": out, "n_runs": len(runs)}
+    return {"family": family, "configs": out, "source": "summary"}
 
 
 def alerts_view(engine: Engine, *, state: str | None = None, limit: int = 500) -> list[dict[str, Any]]:
@@ -456,29 +545,43 @@ _RUN_METRICS = {"tokens_per_s", "step_s", "step_s_p95", "mfu", "packing_efficien
 
 
 def alert_series(engine: Engine, alert: dict[str, Any], *, max_points: int = 1000) -> dict[str, Any] | None:
-    """The series an alert was raised on, with the index of the change point.
+    """The series an alert was raised on, with the change point (``change_index`` into x, or ``change_x``).
 
-    Uses ``details.series`` when the detector stored it; otherwise rebuilds it: a change within a run
-    (``first_bad.step``) → that run's step time; a run-level metric → the metric over the comparable
-    runs of the family (same world size and device) in start order, the first bad run marked."""
+    By kind (server/analysis/regressions.py): ``run_series`` → the metric over the comparable runs
+    (``details.runs``/``details.values``) in start order; ``benchmark`` → the benchmark's points;
+    ``step_time_shift`` (or any ``first_bad.step``) → the run's step time (min/max reduced). Without
+    details: the metric over the family's runs of the same world size and device."""
     details = alert.get("details") or {}
     first_bad = alert.get("first_bad") or {}
-    ser = details.get("series")
-    if isinstance(ser, dict) and "y" in ser:
-        y = ser["y"]
-        x = ser.get("x") or list(range(len(y)))
-        return {"x": x, "y": y, "labels": ser.get("labels"), "change_index": details.get("change_index", first_bad.get("index")),
-                "xlabel": ser.get("xlabel", "index"), "source": "detector"}
-    if isinstance(ser, list) and ser:
-        return {"x": list(range(len(ser))), "y": ser, "labels": None, "change_index": details.get("change_index"),
-                "xlabel": "index", "source": "detector"}
+    metric = alert.get("metric")
+    run_ids = details.get("runs")
+    values = details.get("values")
+    if isinstance(run_ids, list) and isinstance(values, list) and len(run_ids) == len(values) and run_ids:
+        with engine.connect() as c:
+            rows = {r.id: r for r in c.execute(text("SELECT id, name, git_commit, started_at FROM runs WHERE id = ANY(:ids)"),
+                                                {"ids": [int(i) for i in run_ids]})}
+        xs, labels = [], []
+        for i, rid in enumerate(run_ids):
+            r = rows.get(int(rid))
+            xs.append(_iso(r.started_at) if r is not None else i)
+            labels.append(f"{r.name} · {r.git_commit or 'no commit'}" if r is not None else f"run {rid}")
+        return {"x": xs, "y": [float(v) if v is not None else None for v in values], "labels": labels,
+                "run_ids": [int(i) for i in run_ids], "change_index": first_bad.get("index"), "xlabel": "run start",
+                "metric": metric, "unit": details.get("unit"), "source": "comparable runs"}
+    sid = details.get("series_id") or first_bad.get("series_id")
+    if alert.get("kind") == "benchmark" and sid is not None:
+        with engine.connect() as c:
+            pts = c.execute(text("SELECT ts, value, git_commit FROM benchmark_points WHERE series_id = :id ORDER BY ts"),
+                            {"id": int(sid)}).fetchall()
+        return {"x": [_iso(p[0]) for p in pts], "y": [float(p[1]) for p in pts], "labels": [p[2] or "" for p in pts],
+                "change_index": first_bad.get("index"), "xlabel": "time", "metric": metric, "unit": details.get("unit"),
+                "source": "benchmark points"}
     run_id = alert.get("run_id") or first_bad.get("run_id")
     if first_bad.get("step") is not None and run_id:
         s = queries.run_steps(engine, int(run_id), ("step", "step_s"))
         red = minmax_series(s["step"], s["step_s"], max_points)
         return {"x": red.x.tolist(), "y": red.y.tolist(), "labels": None, "change_x": first_bad["step"], "xlabel": "step",
-                "metric": "step_s", "factor": red.factor, "source": "run steps"}
-    metric = alert.get("metric")
+                "metric": "step_s", "unit": "s", "factor": red.factor, "source": "run steps"}
     if run_id and metric in _RUN_METRICS:
         with engine.connect() as c:
             base = c.execute(text("SELECT model_family, world_size, device_type FROM runs WHERE id = :id"), {"id": run_id}).fetchone()
@@ -501,7 +604,7 @@ def alert_series(engine: Engine, alert: dict[str, Any], *, max_points: int = 100
                 change = len(xs)
             xs.append(r["started_at"])
             ys.append(v)
-            labels.append(f"{r['name']} ({r.get('git_commit') or 'no commit'})")
+            labels.append(f"{r['name']} · {r.get('git_commit') or 'no commit'}")
         return {"x": xs, "y": ys, "labels": labels, "change_index": change, "xlabel": "run start", "metric": metric,
                 "source": "family runs"}
     return None

@@ -95,8 +95,9 @@ def _max_stat(c: np.ndarray, lo: int, hi: int, denom: np.ndarray) -> np.ndarray:
     return np.max(np.abs(cs) / denom, axis=-1)
 
 
-def _split_test(x: np.ndarray, cfg: DetectorConfig, seed: int) -> tuple[int, float, np.ndarray] | None:
-    """Best split t (left size) of segment x, its permutation p-value and the z profile; None if too short."""
+def _split_test(x: np.ndarray, cfg: DetectorConfig, seed: int) -> tuple[int, float, np.ndarray, float] | None:
+    """Best split t (left size) of segment x, its permutation p-value, the z profile and the critical
+    value of the max statistic at ``alpha`` (inf when the test stopped early); None if too short."""
     n = len(x)
     m = cfg.min_size
     if n < 2 * m:
@@ -116,15 +117,31 @@ def _split_test(x: np.ndarray, cfg: DetectorConfig, seed: int) -> tuple[int, flo
     limit = cfg.alpha * (B + 1)  # p <= alpha  <=>  exceedances + 1 <= limit
     exceed = 0
     done = 0
+    maxima = []
     chunk = max(16, min(B, 2_000_000 // n))
     while done < B:
         k = min(chunk, B - done)
         perm = rng.permuted(np.broadcast_to(c, (k, n)), axis=1)
-        exceed += int(np.sum(_max_stat(perm, m, n - m, denom) >= obs - 1e-12))
+        mx = _max_stat(perm, m, n - m, denom)
+        maxima.append(mx)
+        exceed += int(np.sum(mx >= obs - 1e-12))
         done += k
         if exceed + 1 > limit:  # already not significant: stop early (Besag-Clifford style)
-            return best, (exceed + 1) / (done + 1), z
-    return best, (exceed + 1) / (B + 1), z
+            return best, (exceed + 1) / (done + 1), z, math.inf
+    # the null distribution of the max statistic depends on the ranks only (distribution-free)
+    crit = float(np.quantile(np.concatenate(maxima), 1 - cfg.alpha))
+    return best, (exceed + 1) / (B + 1), z, crit
+
+
+def _rank_z(x: np.ndarray, t: int) -> float:
+    """Standardised rank-sum statistic of x[:t] against x[t:]."""
+    n = len(x)
+    c = _ranks(x)
+    c = c - c.mean()
+    s2 = float(np.sum(c * c))
+    if s2 <= 0:
+        return 0.0
+    return abs(float(np.sum(c[:t]))) / math.sqrt(t * (n - t) / (n * (n - 1)) * s2)
 
 
 def _robust_sigma(left: np.ndarray, right: np.ndarray) -> float:
@@ -148,11 +165,13 @@ def _side_slope(x: np.ndarray, t: int) -> float:
     return float(np.median(np.concatenate(slopes)))
 
 
-def _accept(x: np.ndarray, t: int, cfg: DetectorConfig) -> tuple[bool, float, float, float]:
-    """Practical size of a split at t, after allowing a common linear trend: (ok, before, after, effect).
+def _accept(x: np.ndarray, t: int, cfg: DetectorConfig, crit: float = 0.0) -> tuple[bool, float, float, float]:
+    """Size and abruptness of a split at t, after allowing a common linear trend: (ok, before, after, effect).
 
     The jump is the difference of the sides' medians once a robust slope (estimated within each side)
-    is removed: a ramp has no jump, a step in a ramp keeps its own."""
+    is removed: a ramp has no jump, a step in a ramp keeps its own. The detrended series must still
+    separate at t beyond ``crit`` (the segment's critical value of the max rank statistic), so a
+    trend does not pass as a change just because the raw ranks of a ramp differ."""
     left, right = x[:t], x[t:]
     before, after = float(np.median(left)), float(np.median(right))
     if after == before:
@@ -164,6 +183,8 @@ def _accept(x: np.ndarray, t: int, cfg: DetectorConfig) -> tuple[bool, float, fl
     sigma = _robust_sigma(dl, dr)
     effect = abs(jump) / sigma if sigma > 0 else (math.inf if jump != 0 else 0.0)
     ok = jump * (after - before) > 0 and effect >= cfg.min_effect
+    if ok and crit > 0 and slope != 0:
+        ok = _rank_z(d, t) >= crit
     return ok, before, after, effect
 
 
@@ -190,16 +211,16 @@ def _segment(x: np.ndarray, a: int, b: int, cfg: DetectorConfig, out: dict[int, 
     res = _split_test(seg, cfg, _seed(cfg, a, b))
     if res is None:
         return
-    t, p, z = res
+    t, p, z, crit = res
     if p > cfg.alpha:
         return
-    ok, *_ = _accept(seg, t, cfg)
+    ok, *_ = _accept(seg, t, cfg, crit)
     if not ok:
         # the best rank split fails the size/abruptness checks (e.g. a trend): try the best split
         # that passes them, in order of the rank statistic
         m = cfg.min_size
         cand = [c + m for c in _peaks(z, max(m, cfg.local_window), 5)]
-        t = next((int(c) for c in cand if _accept(seg, int(c), cfg)[0]), -1)
+        t = next((int(c) for c in cand if _accept(seg, int(c), cfg, crit)[0]), -1)
         if t < 0:
             return
     out[a + t] = p
@@ -222,11 +243,11 @@ def _prune(x: np.ndarray, cps: list[int], cfg: DetectorConfig) -> list[tuple[int
             if res is None:
                 results.append((bounds[i], 1.0, False, 0.0))
                 continue
-            t, p, z = res
+            t, p, z, crit = res
             # keep the location unless the neighbours' segment clearly prefers another nearby split
             m = cfg.min_size
-            tt = t if abs(t - t0) <= cfg.local_window and _accept(seg, t, cfg)[0] else t0
-            ok, _, _, eff = _accept(seg, tt, cfg)
+            tt = t if abs(t - t0) <= cfg.local_window and _accept(seg, t, cfg, crit)[0] else t0
+            ok, _, _, eff = _accept(seg, tt, cfg, crit)
             if not (m <= tt <= len(seg) - m):
                 ok = False
             results.append((a + tt, p, ok and p <= cfg.alpha, eff))

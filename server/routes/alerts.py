@@ -1,36 +1,72 @@
-"""Alerts (filled by the regression detector; the lifecycle lives in the analysis layer)."""
+"""Alerts (raised by the regression detector) with their lifecycle, and the CI check of a run."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
-from sqlalchemy import text
+from fastapi import APIRouter, HTTPException, Path, Query, Request
+from starlette.concurrency import run_in_threadpool
 
+from .. import alerts as alert_store
 from ..deps import State
 from ..schemas import AlertsResponse
 
 router = APIRouter(tags=["alerts"])
+
+AlertId = Annotated[int, Path(ge=1, le=2**31 - 1, description="alert id")]
+RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
+
+
+def _require_token(request: Request, st: Any) -> None:
+    if st.settings.insecure_no_auth:
+        return
+    if not st.tokens.verify(request.headers.get("authorization")):
+        raise HTTPException(status_code=401, detail="missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
 
 
 @router.get("/alerts", response_model=AlertsResponse, summary="Alerts, newest first")
 def get_alerts(
     st: State,
     state: Annotated[str | None, Query(pattern="^(firing|resolved|acknowledged)$")] = None,
+    kind: Annotated[str | None, Query(pattern="^(run_series|benchmark|step_time_shift|straggler)$")] = None,
+    run_id: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 500,
 ) -> Any:
-    sql = (
-        "SELECT id, kind, metric, state, run_id, before, after, change, significance, first_bad, details, url, "
-        "created_at, updated_at FROM alerts"
-    )
-    params: dict[str, Any] = {"limit": limit}
-    if state:
-        sql += " WHERE state = :state"
-        params["state"] = state
-    sql += " ORDER BY created_at DESC LIMIT :limit"
-    with st.engine.connect() as c:
-        rows = [dict(r._mapping) for r in c.execute(text(sql), params)]
-    for r in rows:
-        for k in ("created_at", "updated_at"):
-            r[k] = r[k].isoformat() if r[k] else None
-    return {"alerts": rows}
+    return {"alerts": alert_store.list_alerts(st.engine, state=state, kind=kind, run_id=run_id, limit=limit)}
+
+
+@router.get("/alerts/{alert_id}", summary="One alert")
+def get_alert(alert_id: AlertId, st: State) -> dict[str, Any]:
+    a = alert_store.get_alert(st.engine, alert_id)
+    if a is None:
+        raise HTTPException(status_code=404, detail=f"alert {alert_id} not found")
+    return a
+
+
+def _transition(alert_id: int, request: Request, st: Any, state: str) -> dict[str, Any]:
+    _require_token(request, st)
+    a = alert_store.set_state(st.engine, alert_id, state)
+    if a is None:
+        raise HTTPException(status_code=404, detail=f"alert {alert_id} not found")
+    return a
+
+
+@router.post("/alerts/{alert_id}/ack", summary="Acknowledge a firing alert (it stays active)")
+def post_ack(alert_id: AlertId, request: Request, st: State) -> dict[str, Any]:
+    return _transition(alert_id, request, st, "acknowledged")
+
+
+@router.post("/alerts/{alert_id}/resolve", summary="Resolve an alert by hand (the same regression is not raised again)")
+def post_resolve(alert_id: AlertId, request: Request, st: State) -> dict[str, Any]:
+    return _transition(alert_id, request, st, "resolved")
+
+
+@router.get("/runs/{run_id}/check", tags=["regressions"],
+            summary="Is this run a regression against its family's baseline? (fleetscope check)")
+async def get_check(run_id: RunId, st: State) -> dict[str, Any]:
+    from ..analysis.regressions import check_run
+
+    res = await run_in_threadpool(check_run, st.engine, run_id)
+    if res is None:
+        raise HTTPException(status_code=404, detail=f"run {run_id} not found")
+    return res

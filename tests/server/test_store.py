@@ -28,7 +28,6 @@ def test_migrations_from_empty_create_every_table_and_are_idempotent(db_url: str
         assert t in tables
     upgrade(db_url)  # second time: no-op, no error
     from alembic.script import ScriptDirectory
-
     from fleetscope.server.db import _alembic_config
 
     head = ScriptDirectory.from_config(_alembic_config(db_url)).get_current_head()

@@ -1,0 +1,83 @@
+"""Builds the Dash app (Dash Pages) and mounts it at ``/`` inside the FastAPI server.
+
+One Dash (Flask) app per process, built on first use; each FastAPI app that mounts it passes its
+own ``state_ref`` through the WSGI environ, so pages and callbacks find the right engine even when
+one process serves several apps (tests). Routes registered before the mount (``/api/v1``,
+``/healthz``, ``/metrics``, ``/docs``, ``/openapi.json``) keep precedence; unknown ``/api/`` paths
+stay JSON 404s instead of falling through to the dashboard.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from pathlib import Path
+from typing import Any
+
+__all__ = ["mount", "build_dash", "PAGES"]
+
+PAGES = ("fleet", "run", "scaling", "compare", "regressions", "benchmarks", "not_found_404")
+_ENV_KEY = "fleetscope.state_ref"
+_dash: Any = None
+_lock = threading.Lock()
+
+
+def build_dash() -> Any:
+    """The process's Dash app (created once): pages registered, callbacks attached."""
+    global _dash
+    with _lock:
+        if _dash is not None:
+            return _dash
+        import dash
+        from dash import dcc, html
+
+        from .components import navbar
+
+        app = dash.Dash(
+            __name__,
+            use_pages=True,
+            pages_folder="",
+            assets_folder=str(Path(__file__).parent / "assets"),
+            title="fleetscope",
+            suppress_callback_exceptions=True,
+            update_title=None,
+            serve_locally=True,
+        )
+        for page in PAGES:
+            mod = importlib.import_module(f"{__package__}.pages.{page}")
+            entry = dash.page_registry.get(mod.__name__)
+            if entry is not None and not entry.get("supplied_layout"):
+                entry["layout"] = mod.layout  # what Dash does for modules it imports from a pages folder itself
+        app.layout = html.Div(
+            [navbar(), html.Main(dash.page_container, className="fs-main"), dcc.Store(id="fs-tz", data="UTC")],
+            className="fs-root",
+        )
+        _dash = app
+        return app
+
+
+def _wsgi_with_state(wsgi: Any, state_ref: dict[str, Any]) -> Any:
+    def app(environ: dict[str, Any], start_response: Any) -> Any:
+        environ[_ENV_KEY] = state_ref
+        return wsgi(environ, start_response)
+
+    return app
+
+
+def mount(app: Any, state_ref: dict[str, Any]) -> None:
+    """Mount the dashboard at ``/`` of the FastAPI ``app``; pages read ``state_ref["state"].engine``."""
+    from a2wsgi import WSGIMiddleware
+    from starlette.middleware.gzip import GZipMiddleware
+    from starlette.responses import JSONResponse
+
+    dash_app = build_dash()
+    inner = GZipMiddleware(WSGIMiddleware(_wsgi_with_state(dash_app.server, state_ref), workers=8), minimum_size=2048)
+
+    async def dashboard(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/api/") or path == "/api"):
+            await JSONResponse({"detail": "Not Found"}, status_code=404)(scope, receive, send)
+            return
+        await inner(scope, receive, send)
+
+    app.mount("/", dashboard, name="dashboard")

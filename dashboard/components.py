@@ -1,0 +1,126 @@
+"""Small layout pieces shared by the pages: navigation, headers, KPI tiles, empty states, tables."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from dash import dcc, html
+
+__all__ = [
+    "navbar",
+    "page_header",
+    "kpi",
+    "kpi_strip",
+    "empty_state",
+    "section",
+    "graph",
+    "loading",
+    "simple_table",
+    "status_badge",
+    "URL_SYNC_JS",
+]
+
+NAV = (("Fleet", "/"), ("Scaling", "/scaling"), ("Compare", "/compare"), ("Regressions", "/regressions"),
+       ("Benchmarks", "/benchmarks"))
+
+#: clientside: write the page's state into the URL query without a navigation (history.replaceState),
+#: so a copied link reproduces the view; takes a list of [key, value] pairs as the first argument
+URL_SYNC_JS = """
+function(pairs) {
+    const parts = [];
+    for (const [k, v] of pairs) {
+        if (v === null || v === undefined || v === '' || (Array.isArray(v) && v.length === 0)) continue;
+        const val = Array.isArray(v) ? v.map(String).join(',') : String(v);
+        parts.push(encodeURIComponent(k) + '=' + encodeURIComponent(val).replace(/%2C/g, ','));
+    }
+    const qs = parts.join('&');
+    const url = window.location.pathname + (qs ? '?' + qs : '');
+    if (url !== window.location.pathname + window.location.search) {
+        window.history.replaceState(window.history.state, '', url);
+    }
+    return qs;
+}
+"""
+
+
+def navbar() -> html.Header:
+    """The top bar: product name, page links, the time zone every timestamp is shown in."""
+    return html.Header(
+        [
+            dcc.Link([html.Span("◆", className="fs-logo-mark"), "fleetscope"], href="/", className="fs-brand"),
+            html.Nav([dcc.Link(label, href=href, className="fs-nav-link") for label, href in NAV], className="fs-nav"),
+            html.Div([html.Span("times in UTC", className="fs-muted"), html.A("API", href="/docs", className="fs-nav-link")],
+                     className="fs-nav-right"),
+        ],
+        className="fs-header",
+    )
+
+
+def page_header(title: Any, subtitle: Any = None, right: Any = None) -> html.Div:
+    """A page title line with an optional subtitle and right-aligned extras."""
+    return html.Div(
+        [html.Div([html.H1(title, className="fs-title"), html.Div(subtitle, className="fs-subtitle") if subtitle else None]),
+         html.Div(right, className="fs-header-right") if right is not None else None],
+        className="fs-page-header",
+    )
+
+
+def kpi(label: str, value: str, sub: str | None = None, *, tone: str | None = None, kid: str | None = None) -> html.Div:
+    """One figure tile: label, value, optional small print."""
+    return html.Div(
+        [html.Div(label, className="fs-kpi-label"), html.Div(value, className="fs-kpi-value"),
+         html.Div(sub, className="fs-kpi-sub") if sub else None],
+        className="fs-kpi" + (f" fs-kpi-{tone}" if tone else ""),
+        **({"id": kid} if kid else {}),
+    )
+
+
+def kpi_strip(items: Sequence[html.Div], kid: str | None = None) -> html.Div:
+    return html.Div(list(items), className="fs-kpis", **({"id": kid} if kid else {}))
+
+
+def empty_state(title: str, body: Any, how: Sequence[str] = (), *, eid: str | None = None) -> html.Div:
+    """What will appear here, and how to get data (commands shown as code)."""
+    return html.Div(
+        [html.Div(title, className="fs-empty-title"), html.Div(body, className="fs-empty-body"),
+         html.Pre("\n".join(how), className="fs-empty-code") if how else None],
+        className="fs-empty",
+        **({"id": eid} if eid else {}),
+    )
+
+
+def section(title: str | None, children: Any, *, sid: str | None = None, right: Any = None, cls: str = "") -> html.Section:
+    head = (html.Div([html.H2(title, className="fs-h2") if title else html.Span(), right], className="fs-section-head")
+            if title or right is not None else None)
+    return html.Section([head, *(children if isinstance(children, list) else [children])],
+                        className=("fs-section " + cls).strip(), **({"id": sid} if sid else {}))
+
+
+def graph(gid: str, figure: Any = None, *, height: int | None = None) -> dcc.Graph:
+    """A chart without the Plotly logo; the figure comes from a callback or is given."""
+    kw: dict[str, Any] = {"figure": figure} if figure is not None else {}
+    if height:
+        kw["style"] = {"height": f"{height}px"}
+    return dcc.Graph(id=gid, config={"displaylogo": False, "displayModeBar": False}, **kw)
+
+
+def loading(children: Any, lid: str | None = None) -> dcc.Loading:
+    return dcc.Loading(children, type="dot", delay_show=250, color="#0072B2", **({"id": lid} if lid else {}))
+
+
+def simple_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, tid: str | None = None,
+                 numeric: Sequence[int] = (), row_classes: Sequence[str] | None = None) -> html.Table:
+    """A dense HTML table (for small tables; the fleet uses a DataTable)."""
+    head = html.Thead(html.Tr([html.Th(c, className="fs-num" if i in numeric else None) for i, c in enumerate(columns)]))
+    body = html.Tbody([
+        html.Tr([html.Td(v, className="fs-num" if i in numeric else None) for i, v in enumerate(r)],
+                className=(row_classes[j] if row_classes else None))
+        for j, r in enumerate(rows)
+    ])
+    return html.Table([head, body], className="fs-table", **({"id": tid} if tid else {}))
+
+
+def status_badge(status: str | None) -> html.Span:
+    s = status or "unknown"
+    return html.Span(s, className=f"fs-badge fs-badge-{s}")

@@ -1,0 +1,511 @@
+"""Figure builders: pure functions from page data (server/views.py) to Plotly figures.
+
+No I/O and no Dash here, so every chart is unit-tested without a browser. Builders return plain
+figure dicts (``{"data": [...], "layout": {...}}``) rather than ``plotly.graph_objects`` objects:
+the dashboard sends them as they are, skipping plotly.py's per-property validation (about 10× the
+cost of the data queries on the run page); the tests validate every figure with ``go.Figure``.
+Numeric arrays go out as base64 typed arrays (float32), a quarter of the JSON size of number lists.
+
+Conventions: durations arrive in seconds and are shown in ms or s (the axis says which), bytes as
+GB, bandwidth as GB/s; the step-time components keep their colours (theme.COMPONENT_COLORS) on
+every page; a chart built from reduced data says so in its title.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .theme import COMPONENT_COLORS, COMPONENT_LABELS, FONT, SERIES_COLORS, time_unit, to_utc
+
+__all__ = [
+    "empty_figure",
+    "decomposition_figure",
+    "heatmap_figure",
+    "slowdown_figure",
+    "collectives_figure",
+    "memory_figure",
+    "throughput_figure",
+    "modality_figure",
+    "bottleneck_figure",
+    "scaling_throughput_figure",
+    "scaling_efficiency_figure",
+    "scaling_decomposition_figure",
+    "compare_series_figure",
+    "compare_decomposition_figure",
+    "alert_series_figure",
+    "benchmark_figure",
+    "busbw_by_size_figure",
+    "aggregation_note",
+]
+
+Fig = dict[str, Any]
+_COMPONENTS = ("data_s", "compute_s", "comm_exposed_s", "other_s")
+_GRID = "#E6E8EB"
+_MUTED = "#5b6370"
+_AXIS = {"gridcolor": _GRID, "zeroline": False, "linecolor": "#c9ced6", "ticks": "outside", "ticklen": 3,
+         "automargin": True}
+
+
+def _arr(a: Any) -> Any:
+    """A numeric array as a plotly.js typed array (float32 / int32, base64); other values unchanged."""
+    if not isinstance(a, np.ndarray) or a.size == 0 or a.dtype.kind not in "fiu":
+        return a.tolist() if isinstance(a, np.ndarray) else a
+    if a.dtype.kind == "f":
+        v, code = np.ascontiguousarray(a, dtype="<f4"), "f4"
+    elif a.size and (a.min() < -(2**31) or a.max() >= 2**31):
+        return a.astype(np.float64).tolist()
+    else:
+        v, code = np.ascontiguousarray(a, dtype="<i4"), "i4"
+    spec: dict[str, Any] = {"dtype": code, "bdata": base64.b64encode(v.tobytes()).decode("ascii")}
+    if v.ndim > 1:
+        spec["shape"] = ", ".join(str(n) for n in v.shape)
+    return spec
+
+
+def _f(a: Any, mult: float = 1.0) -> Any:
+    return _arr(np.asarray(a, dtype=np.float64) * mult)
+
+
+def _axis(**kw: Any) -> dict[str, Any]:
+    out = dict(_AXIS)
+    title = kw.pop("title", None)
+    if title is not None:
+        out["title"] = {"text": title}
+    out.update(kw)
+    return out
+
+
+def _layout(title: str, *, height: int = 300, legend: bool = True, note: str | None = None, x: Any = None,
+            y: Any = None, hovermode: str = "x unified", **extra: Any) -> dict[str, Any]:
+    # title and subtitle in the top margin; plotly.js places a title with a subtitle itself ("auto")
+    head: dict[str, Any] = {"text": f"<b>{title}</b>", "x": 0.0, "xanchor": "left", "xref": "container",
+                            "pad": {"l": 4}, "font": {"size": 13}}
+    if note:
+        head["subtitle"] = {"text": note, "font": {"size": 11, "color": _MUTED}}
+    lay: dict[str, Any] = {
+        "title": head,
+        "height": height,
+        "margin": {"l": 56, "r": 16, "t": 66 if note else 40, "b": 40},
+        "font": {"family": FONT, "size": 11, "color": "#1f2328"},
+        "paper_bgcolor": "white",
+        "plot_bgcolor": "white",
+        "showlegend": legend,
+        "legend": {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1.0, "xanchor": "right", "font": {"size": 10}},
+        "hovermode": hovermode,
+        "xaxis": x if x is not None else _axis(),
+        "yaxis": y if y is not None else _axis(),
+    }
+    lay.update(extra)
+    return lay
+
+
+def _hline(y: float, color: str, *, xref: str = "x domain", yref: str = "y", dash: str = "dash") -> dict[str, Any]:
+    return {"type": "line", "xref": xref, "x0": 0, "x1": 1, "yref": yref, "y0": y, "y1": y,
+            "line": {"color": color, "width": 1, "dash": dash}}
+
+
+def aggregation_note(factor: int, what: str = "steps", how: str = "min/max") -> str | None:
+    """The sentence a reduced chart shows, or None when the data is raw."""
+    if factor <= 1:
+        return None
+    return f"aggregated server-side: {how} of {factor} {what} per point"
+
+
+def empty_figure(message: str, *, height: int = 260) -> Fig:
+    """A blank chart with a centred explanation (never a silently empty axis)."""
+    return {"data": [], "layout": {
+        "annotations": [{"text": message, "showarrow": False, "x": 0.5, "y": 0.5, "xref": "paper", "yref": "paper",
+                         "font": {"size": 12, "color": _MUTED}}],
+        "xaxis": {"visible": False}, "yaxis": {"visible": False}, "height": height,
+        "margin": {"l": 10, "r": 10, "t": 10, "b": 10}, "plot_bgcolor": "white", "paper_bgcolor": "white",
+        "font": {"family": FONT}}}
+
+
+def decomposition_figure(series: dict[str, Any]) -> Fig:
+    """Stacked step-time components of the median rank over steps, and the slowest rank's step time."""
+    dec = series.get("decomposition")
+    if not dec:
+        return empty_figure("No steps recorded yet for this run.")
+    mult, unit = time_unit(np.nansum([np.asarray(dec[k], dtype=float) for k in _COMPONENTS], axis=0).tolist())
+    x = _arr(np.asarray(dec["step"]))
+    data = [{"type": "scatter", "x": x, "y": _f(dec[k], mult), "name": COMPONENT_LABELS[k], "mode": "lines",
+             "stackgroup": "dec", "line": {"width": 0.5, "color": COMPONENT_COLORS[k]}, "fillcolor": COMPONENT_COLORS[k],
+             "hovertemplate": f"%{{y:.3g}} {unit}"} for k in _COMPONENTS]
+    mx = series.get("step_s_max")
+    if mx is not None and len(mx.x):
+        data.append({"type": "scatter", "x": _arr(np.asarray(mx.x)), "y": _f(mx.y, mult), "name": "slowest rank",
+                     "mode": "lines", "line": {"color": "#1f2328", "width": 1, "dash": "dot"},
+                     "hovertemplate": f"%{{y:.3g}} {unit}"})
+    note = aggregation_note(dec.get("factor", 1), "steps", "mean") or "per step, median rank"
+    return {"data": data, "layout": _layout("Step-time decomposition", height=300, note=note, x=_axis(title="step"),
+                                            y=_axis(title=f"time per step ({unit})", rangemode="tozero"))}
+
+
+def heatmap_figure(hm: dict[str, Any] | None) -> Fig:
+    """Ranks × steps heatmap; says how many steps and ranks each cell aggregates and how."""
+    if not hm or hm["values"].size == 0:
+        return empty_figure("No per-rank records yet: the heatmap fills in as steps are compacted.")
+    z = np.asarray(hm["values"], dtype=np.float64)
+    mult, unit = time_unit(z[~np.isnan(z)][:: max(1, z.size // 5000)].tolist())
+    rf, sf = hm["rank_factor"], hm["step_factor"]
+    y = np.asarray(hm["rank_lo"])
+    where = "step %{x}" + (f" (+{sf - 1})" if sf > 1 else "") + " · rank %{y}" + (f" (+{rf - 1})" if rf > 1 else "")
+    trace = {"type": "heatmap", "z": _f(z, mult), "x": _arr(np.asarray(hm["step_lo"])), "y": _arr(y),
+             "colorscale": "Viridis", "colorbar": {"title": {"text": unit, "side": "right"}, "thickness": 10},
+             "hovertemplate": f"{where}<br>{hm['how'] + ' ' if (rf > 1 or sf > 1) else ''}%{{z:.3g}} {unit}<extra></extra>",
+             "hoverongaps": False}
+    if rf > 1 or sf > 1:
+        note = (f"aggregated server-side: {hm['how']} of {sf} step{'s' if sf > 1 else ''} × {rf} rank{'s' if rf > 1 else ''} "
+                f"per cell ({hm['n_ranks']:,} ranks × {hm['n_steps']:,} steps → {len(y)} × {z.shape[1]})")
+    else:
+        note = f"every rank and step ({hm['n_ranks']:,} × {hm['n_steps']:,})"
+    lay = _layout(f"Per-rank {hm['label']}", height=max(260, min(520, 120 + 3 * len(y))), legend=False, note=note,
+                  hovermode="closest", x=_axis(title="step", showgrid=False),
+                  y=_axis(title="rank" + (f" (groups of {rf})" if rf > 1 else ""), autorange="reversed", showgrid=False))
+    return {"data": [trace], "layout": lay}
+
+
+def slowdown_figure(sd: dict[str, Any] | None, *, threshold: float = 1.05, top_nodes: int = 12) -> Fig:
+    """Per-rank slowdown (work vs the step's median rank) and the slowest nodes."""
+    if not sd or not np.asarray(sd["slowdown"]).size or np.all(np.isnan(sd["slowdown"])):
+        return empty_figure("No per-rank work times yet (needs step_s and comm_exposed_s per rank).")
+    slow = np.asarray(sd["slowdown"], dtype=float)
+    ranks = np.asarray(sd["rank"])
+    nodes = sd["nodes"][:top_nodes] if sd.get("known_hosts", True) else []
+    split = 0.64 if nodes else 1.0
+    hover = [f"rank {r} · {n}" for r, n in zip(ranks.tolist(), sd["node_of"], strict=True)]
+    data: list[dict[str, Any]] = [{
+        "type": "scatter", "x": _arr(ranks), "y": _f(slow), "mode": "markers", "name": "rank", "text": hover,
+        "marker": {"size": 5 if ranks.size < 2000 else 3, "color": np.where(slow > threshold, "#D55E00", "#0072B2").tolist()},
+        "hovertemplate": "%{text}: %{y:.3f}×<extra></extra>"}]
+    shapes = [{"type": "line", "xref": "x domain", "x0": 0, "x1": 1, "yref": "y", "y0": threshold, "y1": threshold,
+               "line": {"color": "#D55E00", "width": 1, "dash": "dash"}}]
+    ann = [{"text": f"straggler threshold {threshold:.2f}×", "xref": "x domain", "x": 1, "xanchor": "right", "yref": "y",
+            "y": threshold, "yanchor": "bottom", "showarrow": False, "font": {"size": 10, "color": "#D55E00"}},
+           ]
+    if nodes:
+        ann.append({"text": "slowdown by rank", "xref": "paper", "x": split / 2, "xanchor": "center", "yref": "paper",
+                    "y": 1.0, "yanchor": "bottom", "showarrow": False, "font": {"size": 11}})
+    extra: dict[str, Any] = {}
+    if nodes:
+        nodes = nodes[::-1]
+        data.append({"type": "bar", "x": [n["slowdown"] for n in nodes], "y": [n["node"] for n in nodes], "orientation": "h",
+                     "name": "node", "xaxis": "x2", "yaxis": "y2",
+                     "marker": {"color": ["#D55E00" if n["slowdown"] > threshold else "#56B4E9" for n in nodes]},
+                     "hovertemplate": "%{y}: %{x:.3f}×<extra></extra>"})
+        lo = min(0.95, min(n["slowdown"] for n in nodes) - 0.01)
+        hi = max(threshold + 0.02, max(n["slowdown"] for n in nodes) + 0.02)
+        extra["xaxis2"] = _axis(title="slowdown (×)", domain=[0.72, 1.0], anchor="y2", range=[lo, hi])
+        extra["yaxis2"] = _axis(anchor="x2", type="category")
+        ann.append({"text": "slowest nodes (median of their ranks)", "xref": "paper", "x": 0.86, "xanchor": "center",
+                    "yref": "paper", "y": 1.0, "yanchor": "bottom", "showarrow": False, "font": {"size": 11}})
+    lost = sd.get("time_lost_s")
+    note = ("slowdown = median over steps of rank work ÷ median rank work (work = step − exposed comm)"
+            + (f"; fleet time lost waiting for the slowest rank: {lost:,.1f} s" if lost is not None else "")
+            + ("" if nodes else "; no host/node per rank recorded"))
+    lay = _layout("Stragglers", height=320 if nodes else 300, legend=False, note=note, hovermode="closest",
+                  x=_axis(title="rank", domain=[0.0, split]), y=_axis(title="slowdown (×)"), shapes=shapes, annotations=ann,
+                  **extra)
+    if nodes:
+        lay["margin"]["t"] = 86  # room for the two panel titles under the subtitle
+    return {"data": data, "layout": lay}
+
+
+def collectives_figure(rows: Sequence[dict[str, Any]]) -> Fig:
+    """Bus bandwidth (GB/s) against message size per collective op; marker area ∝ time spent."""
+    pts = [r for r in rows if r.get("busbw_bytes_per_s") is not None and r.get("size_bucket_bytes", 0) > 1]
+    if not pts:
+        return empty_figure("No collectives with a message size recorded for this run.")
+    tmax = max(r["total_s"] for r in pts) or 1.0
+    data = []
+    for i, op in enumerate(sorted({r["op"] for r in pts})):
+        rs = sorted((r for r in pts if r["op"] == op), key=lambda r: r["size_bucket_bytes"])
+        data.append({
+            "type": "scatter", "x": [r["size_bucket_bytes"] for r in rs], "y": [r["busbw_bytes_per_s"] / 1e9 for r in rs],
+            "name": op, "mode": "lines+markers", "line": {"color": SERIES_COLORS[i % len(SERIES_COLORS)], "width": 1},
+            "marker": {"size": [6 + 18 * (r["total_s"] / tmax) ** 0.5 for r in rs]},
+            "text": [f"n={r['group_size']} · {r['calls']:,} calls · {r['total_s']:.2f} s total"
+                     + (f" · {r['efficiency'] * 100:.0f} % of link peak" if r.get("efficiency") else "") for r in rs],
+            "hovertemplate": "%{x:.3s}B: %{y:.1f} GB/s<br>%{text}<extra>" + op + "</extra>",
+        })
+    note = "busbw as NCCL-tests; size = ⌊log2 bytes per call⌋ bucket; marker area ∝ time spent"
+    return {"data": data, "layout": _layout(
+        "Collectives: bus bandwidth by message size", height=300, note=note, hovermode="closest",
+        x=_axis(title="message size per call (bytes, log)", type="log"), y=_axis(title="busbw (GB/s)", rangemode="tozero"))}
+
+
+def memory_figure(series: dict[str, Any]) -> Fig:
+    """Peak allocated and reserved device memory over steps (GB), allocator retries marked."""
+    peak, res = series.get("mem_peak_bytes"), series.get("mem_reserved_bytes")
+    if peak is None:
+        return empty_figure("No memory samples for this run (the agent records them on GPU).")
+    data = [{"type": "scatter", "x": _arr(np.asarray(peak.x)), "y": _f(peak.y, 1e-9), "name": "peak allocated (max over ranks)",
+             "mode": "lines", "line": {"color": "#0072B2", "width": 1.2}, "hovertemplate": "%{y:.2f} GB"}]
+    if res is not None and len(res.x):
+        data.append({"type": "scatter", "x": _arr(np.asarray(res.x)), "y": _f(res.y, 1e-9), "name": "reserved (max over ranks)",
+                     "mode": "lines", "line": {"color": "#9A9A9A", "width": 1.2, "dash": "dash"}, "hovertemplate": "%{y:.2f} GB"})
+    retry = np.asarray(series.get("alloc_retry_steps", []))
+    if retry.size:
+        data.append({"type": "scatter", "x": _arr(retry), "y": _f(np.full(retry.size, float(np.nanmax(peak.y)) / 1e9)),
+                     "mode": "markers", "name": "allocator retries", "marker": {"symbol": "x", "color": "#D55E00", "size": 8}})
+    return {"data": data, "layout": _layout("Memory", height=260, note=aggregation_note(peak.factor), x=_axis(title="step"),
+                                            y=_axis(title="memory (GB)", rangemode="tozero"))}
+
+
+def throughput_figure(series: dict[str, Any]) -> Fig:
+    """MFU (%) and throughput (tokens/s) over steps on two axes."""
+    mfu, tps = series.get("mfu"), series.get("tokens_per_s")
+    if mfu is None and tps is None:
+        return empty_figure("No tokens or FLOPs recorded, so no throughput or MFU.")
+    data = []
+    if tps is not None:
+        data.append({"type": "scatter", "x": _arr(np.asarray(tps.x)), "y": _f(tps.y), "name": "tokens/s (job)", "mode": "lines",
+                     "line": {"color": "#009E73", "width": 1.2}, "hovertemplate": "%{y:.4s} tokens/s"})
+    if mfu is not None:
+        data.append({"type": "scatter", "x": _arr(np.asarray(mfu.x)), "y": _f(mfu.y, 100.0), "name": "MFU", "mode": "lines",
+                     "yaxis": "y2", "line": {"color": "#0072B2", "width": 1.2}, "hovertemplate": "%{y:.1f} %"})
+    factor = max(getattr(mfu, "factor", 1), getattr(tps, "factor", 1))
+    note = aggregation_note(factor) or ""
+    if series.get("mfu_estimated"):
+        note = (note + " · " if note else "") + "MFU estimated (FLOPs from the dense-transformer formula)"
+    return {"data": data, "layout": _layout(
+        "Throughput and MFU", height=260, note=note or None, x=_axis(title="step"),
+        y=_axis(title="throughput (tokens/s)", rangemode="tozero"),
+        yaxis2=_axis(title="MFU (%)", rangemode="tozero", overlaying="y", side="right", showgrid=False))}
+
+
+def modality_figure(mod: dict[str, Any] | None, packing: Any = None) -> Fig:
+    """Tokens per modality per step (stacked) and packing efficiency (real ÷ padded tokens)."""
+    if not mod and packing is None:
+        return empty_figure("No per-modality token counts or padding recorded for this run.")
+    data: list[dict[str, Any]] = []
+    notes = []
+    if mod:
+        if mod.get("factor", 1) > 1:
+            notes.append(f"tokens summed over {mod['factor']} steps per bar")
+        x = _arr(np.asarray(mod["step"]))
+        for i, (m, v) in enumerate(sorted(mod["tokens"].items())):
+            data.append({"type": "bar", "x": x, "y": _f(v), "name": m, "marker": {"color": SERIES_COLORS[(i + 2) % len(SERIES_COLORS)]},
+                         "hovertemplate": "%{y:.4s} tokens"})
+    if packing is not None:
+        data.append({"type": "scatter", "x": _arr(np.asarray(packing.x)), "y": _f(packing.y, 100.0), "name": "packing efficiency",
+                     "mode": "lines", "yaxis": "y2", "line": {"color": "#1f2328", "width": 1.2}, "hovertemplate": "%{y:.1f} %"})
+        if packing.factor > 1:
+            notes.append(f"packing: min/max of {packing.factor} steps per point")
+    return {"data": data, "layout": _layout(
+        "Tokens by modality and packing efficiency", height=260, note=" · ".join(notes) or None, barmode="stack", bargap=0.05,
+        x=_axis(title="step"), y=_axis(title="tokens", rangemode="tozero"),
+        yaxis2=_axis(title="packing efficiency (%)", range=[0, 100], overlaying="y", side="right", showgrid=False))}
+
+
+def bottleneck_figure(ranking: Sequence[dict[str, Any]]) -> Fig:
+    """Share of step time per component with its Amdahl ceiling (what to fix first on top)."""
+    if not ranking:
+        return empty_figure("No decomposition yet.", height=200)
+    items = list(ranking)[::-1]
+    bar = {"type": "bar", "x": [r["share"] * 100 for r in items], "y": [r["component"] for r in items], "orientation": "h",
+           "marker": {"color": [COMPONENT_COLORS.get(r.get("key", ""), "#56B4E9") for r in items]},
+           "text": [f"{r['share'] * 100:.0f} % · ≤ {r['max_speedup']:.2f}×" if r.get("max_speedup") else f"{r['share'] * 100:.0f} %"
+                    for r in items],
+           "textposition": "auto", "hovertemplate": "%{y}: %{x:.1f} % of the step<extra></extra>"}
+    return {"data": [bar], "layout": _layout(
+        "Bottlenecks (Amdahl ceiling)", height=max(180, 40 + 28 * len(items)), legend=False, hovermode="closest",
+        note="removing a component of share p speeds the step up by at most 1/(1−p)",
+        x=_axis(title="share of step time (%)", range=[0, 100]), y=_axis())}
+
+
+def _log2_axis(sizes: Sequence[int], **kw: Any) -> dict[str, Any]:
+    ticks = sorted(set(sizes))
+    return _axis(type="log", tickvals=ticks, ticktext=[f"{n:,}" for n in ticks], **kw)
+
+
+def scaling_throughput_figure(data: dict[str, Any]) -> Fig:
+    """Throughput against world size per configuration, with the ideal (linear) line."""
+    cfgs = data.get("configs") or []
+    if not cfgs:
+        return empty_figure(f"No runs with throughput for family {data.get('family')!r}.")
+    traces: list[dict[str, Any]] = []
+    sizes: list[int] = []
+    for i, g in enumerate(cfgs):
+        c = SERIES_COLORS[i % len(SERIES_COLORS)]
+        pts = g["points"]
+        xs = [p["world_size"] for p in pts]
+        sizes += xs
+        traces.append({"type": "scatter", "x": xs, "y": [p["tokens_per_s"] for p in pts], "name": f"measured · {g['config']}",
+                       "mode": "lines+markers", "line": {"color": c}, "legendgroup": str(i),
+                       "hovertemplate": "n=%{x}: %{y:.4s} tokens/s<extra></extra>"})
+        traces.append({"type": "scatter", "x": xs, "y": [p["ideal_tokens_per_s"] for p in pts], "name": "ideal (linear)",
+                       "mode": "lines", "line": {"color": c, "dash": "dot", "width": 1}, "legendgroup": str(i),
+                       "showlegend": i == 0, "hovertemplate": "ideal: %{y:.4s} tokens/s<extra></extra>"})
+    return {"data": traces, "layout": _layout(
+        "Throughput vs world size", height=320, note="median over runs per world size; ideal = smallest size × n/n₀",
+        hovermode="closest", x=_log2_axis(sizes, title="world size (GPUs, log)"),
+        y=_axis(title="throughput (tokens/s, log)", type="log"))}
+
+
+def scaling_efficiency_figure(data: dict[str, Any]) -> Fig:
+    """Scaling efficiency (%) against world size per configuration."""
+    cfgs = data.get("configs") or []
+    if not cfgs:
+        return empty_figure("No scaling data.")
+    traces = []
+    sizes: list[int] = []
+    for i, g in enumerate(cfgs):
+        pts = g["points"]
+        xs = [p["world_size"] for p in pts]
+        sizes += xs
+        traces.append({"type": "scatter", "x": xs, "y": [p["efficiency"] * 100 if p.get("efficiency") is not None else None for p in pts],
+                       "mode": "lines+markers", "name": f"{g['mode']} · {g['config']}",
+                       "line": {"color": SERIES_COLORS[i % len(SERIES_COLORS)]}, "hovertemplate": "n=%{x}: %{y:.1f} %<extra></extra>"})
+    return {"data": traces, "layout": _layout(
+        "Scaling efficiency", height=320, note="weak: (tok/s ÷ n) ÷ (tok/s ÷ n)₀ · strong: (step₀·n₀) ÷ (step·n)",
+        hovermode="closest", x=_log2_axis(sizes, title="world size (GPUs, log)"),
+        y=_axis(title="efficiency (%)", rangemode="tozero"), shapes=[_hline(100, "#9A9A9A", dash="dot")])}
+
+
+def scaling_decomposition_figure(group: dict[str, Any] | None) -> Fig:
+    """Step-time components per world size for one configuration: which one grows with scale."""
+    if not group:
+        return empty_figure("No scaling data.")
+    pts = group["points"]
+    xs = [f"{p['world_size']:,}" for p in pts]
+    mult, unit = time_unit([p.get("step_s") for p in pts])
+    keys = _COMPONENTS + (("straggler_wait_s",) if any(p.get("straggler_wait_s") for p in pts) else ())
+    data = [{"type": "bar", "x": xs, "y": [(p.get(k) or 0) * mult for p in pts], "name": COMPONENT_LABELS[k],
+             "marker": {"color": COMPONENT_COLORS[k]}, "hovertemplate": f"%{{y:.3g}} {unit}"} for k in keys]
+    return {"data": data, "layout": _layout(
+        f"Where the step time goes · {group['config']}", height=320, barmode="stack",
+        note=group.get("growth") or "median rank, median step, per world size",
+        x=_axis(title="world size (GPUs)", type="category"), y=_axis(title=f"time per step ({unit})"))}
+
+
+def compare_series_figure(series: dict[int, Any], names: dict[int, str]) -> Fig:
+    """Step time of several runs overlaid, aligned by step."""
+    if not series:
+        return empty_figure("Pick two or more runs to compare.")
+    allv = np.concatenate([np.asarray(s.y, dtype=float) for s in series.values()])
+    mult, unit = time_unit(allv[~np.isnan(allv)][:: max(1, allv.size // 2000)].tolist())
+    data = []
+    factor = 1
+    for i, (rid, s) in enumerate(series.items()):
+        factor = max(factor, s.factor)
+        data.append({"type": "scatter", "x": _arr(np.asarray(s.x)), "y": _f(s.y, mult), "name": names.get(rid, str(rid)),
+                     "mode": "lines", "line": {"color": SERIES_COLORS[i % len(SERIES_COLORS)], "width": 1.2},
+                     "hovertemplate": f"%{{y:.3g}} {unit}"})
+    return {"data": data, "layout": _layout("Step time (median rank)", height=300, note=aggregation_note(factor),
+                                            x=_axis(title="step"), y=_axis(title=f"step time ({unit})", rangemode="tozero"))}
+
+
+def compare_decomposition_figure(metrics: dict[int, dict[str, Any]], names: dict[int, str]) -> Fig:
+    """One stacked bar per run: the components of its median step."""
+    if not metrics:
+        return empty_figure("Pick two or more runs to compare.")
+    ids = list(metrics)
+    mult, unit = time_unit([metrics[i].get("step_s") for i in ids])
+    ys = [names.get(i, str(i)) for i in ids]
+    data = [{"type": "bar", "y": ys, "x": [(metrics[i].get(k) or 0) * mult for i in ids], "name": COMPONENT_LABELS[k],
+             "orientation": "h", "marker": {"color": COMPONENT_COLORS[k]}, "hovertemplate": f"%{{x:.3g}} {unit}"}
+            for k in _COMPONENTS]
+    return {"data": data, "layout": _layout("Where the step time goes", height=max(200, 80 + 36 * len(ids)), barmode="stack",
+                                            hovermode="y unified", x=_axis(title=f"median step ({unit})"),
+                                            y=_axis(autorange="reversed"))}
+
+
+def _iso(v: Any) -> Any:
+    return v.isoformat() if hasattr(v, "isoformat") else v
+
+
+def alert_series_figure(ser: dict[str, Any] | None, alert: dict[str, Any]) -> Fig:
+    """The alert's series with the change point marked and the before/after levels."""
+    if not ser or not ser.get("y"):
+        return empty_figure("The series behind this alert is not available.")
+    y = np.asarray([np.nan if v is None else v for v in ser["y"]], dtype=float)
+    x = list(ser["x"])
+    timed = ser.get("xlabel") in ("run start", "time")
+    if timed:
+        x = [_iso(to_utc(v)) for v in x]
+    metric = ser.get("metric") or alert.get("metric") or "value"
+    unit = ser.get("unit") or ""
+    mult = 1.0
+    if unit == "s" or (not unit and metric.endswith("_s") and not metric.startswith("tokens")):
+        mult, unit = time_unit(y.tolist())
+    elif metric == "mfu":
+        mult, unit = 100.0, "%"
+    suffix = f" {unit}" if unit else ""
+    labels = ser.get("labels")
+    data: list[dict[str, Any]] = [{
+        "type": "scatter", "x": x, "y": (y * mult).tolist(), "mode": "lines+markers", "name": metric, "marker": {"size": 5},
+        "line": {"color": "#0072B2", "width": 1.2}, "text": labels,
+        "hovertemplate": "%{y:.4g}" + suffix + ("<br>%{text}" if labels else "") + "<extra></extra>"}]
+    ci = ser.get("change_index")
+    cx = ser.get("change_x")
+    if cx is None and ci is not None and 0 <= ci < len(x):
+        cx = x[ci]
+    shapes, ann = [], []
+    if cx is not None:
+        shapes.append({"type": "line", "xref": "x", "x0": cx, "x1": cx, "yref": "y domain", "y0": 0, "y1": 1,
+                       "line": {"color": "#D55E00", "width": 1.5, "dash": "dash"}})
+        ann.append({"x": cx, "y": 1, "yref": "y domain", "text": "change point", "showarrow": False, "yanchor": "bottom",
+                    "font": {"color": "#D55E00", "size": 11}})
+    before, after = alert.get("before"), alert.get("after")
+    if ci is not None and before is not None and after is not None and 0 < ci < len(x):
+        data.append({"type": "scatter", "x": [x[0], x[ci - 1]], "y": [before * mult] * 2, "mode": "lines", "name": "before",
+                     "line": {"color": "#009E73", "width": 2}})
+        data.append({"type": "scatter", "x": [x[ci], x[-1]], "y": [after * mult] * 2, "mode": "lines", "name": "after",
+                     "line": {"color": "#D55E00", "width": 2}})
+    xt = ser.get("xlabel", "index") + (" (UTC)" if timed else "")
+    return {"data": data, "layout": _layout(
+        metric, height=300, note=aggregation_note(ser.get("factor", 1)) or f"series: {ser.get('source', '')}",
+        hovermode="closest", x=_axis(title=xt, **({"type": "date"} if timed else {})),
+        y=_axis(title=metric + (f" ({unit})" if unit else "")), shapes=shapes, annotations=ann)}
+
+
+def _params_label(params: dict[str, Any] | None) -> str:
+    from .theme import fmt_bytes
+
+    items = []
+    for k, v in sorted((params or {}).items()):
+        items.append(f"{k}={fmt_bytes(v)}" if k == "bytes" and isinstance(v, (int, float)) else f"{k}={v}")
+    return ", ".join(items) or "default"
+
+
+def benchmark_figure(series: Sequence[dict[str, Any]], name: str) -> Fig:
+    """One microbenchmark over time: a line per (cluster, parameters)."""
+    ss = [s for s in series if s["name"] == name and s["value"]]
+    if not ss:
+        return empty_figure(f"No points for {name}.")
+    unit = ss[0].get("unit") or ""
+    data = [{"type": "scatter", "x": [_iso(to_utc(t)) for t in s["ts"]], "y": list(s["value"]), "mode": "lines+markers",
+             "name": f"{s['cluster']} · {_params_label(s.get('params'))}", "marker": {"size": 4},
+             "line": {"color": SERIES_COLORS[i % len(SERIES_COLORS)], "width": 1.2}, "text": [c or "" for c in s["git_commit"]],
+             "hovertemplate": "%{y:.4g} " + unit + "<br>%{text}<extra></extra>"} for i, s in enumerate(ss)]
+    return {"data": data, "layout": _layout(name, height=280, hovermode="closest", x=_axis(title="time (UTC)", type="date"),
+                                            y=_axis(title=unit))}
+
+
+def busbw_by_size_figure(series: Sequence[dict[str, Any]]) -> Fig:
+    """Latest collective busbw against message size, a line per (benchmark, cluster)."""
+    pts: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    unit = ""
+    for s in series:
+        size = (s.get("params") or {}).get("bytes")
+        if size is None or not s["value"]:
+            continue
+        unit = s.get("unit") or unit
+        pts.setdefault((s["name"], s["cluster"]), []).append((float(size), float(s["value"][-1])))
+    if not pts:
+        return empty_figure("No collective benchmarks with a message size yet.")
+    scale, yunit = (1e-9, "GB/s") if unit in ("B/s", "bytes/s") else (1.0, unit)
+    data = []
+    for i, ((name, cluster), v) in enumerate(sorted(pts.items())):
+        v.sort()
+        data.append({"type": "scatter", "x": [a for a, _ in v], "y": [b * scale for _, b in v], "mode": "lines+markers",
+                     "name": f"{name} · {cluster}", "line": {"color": SERIES_COLORS[i % len(SERIES_COLORS)]},
+                     "hovertemplate": "%{x:.3s}B: %{y:.4g} " + yunit + "<extra></extra>"})
+    return {"data": data, "layout": _layout("Collective busbw by message size (latest)", height=300, hovermode="closest",
+                                            x=_axis(title="message size (bytes, log)", type="log"),
+                                            y=_axis(title=f"busbw ({yunit})"))}

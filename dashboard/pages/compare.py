@@ -1,0 +1,128 @@
+"""Compare (``/compare?runs=a,b,...``): runs overlaid, with a diff table of normalised metrics
+(tokens/s/GPU, MFU, step time per 1k tokens) and of the config; the URL is the shareable state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dash
+from dash import Input, Output, callback, clientside_callback, dcc, html
+from fleetscope.server import views
+
+from .. import _state
+from .. import figures as F
+from ..components import URL_SYNC_JS, empty_state, graph, loading, page_header, section, simple_table
+from ..theme import fmt_bytes, fmt_num, fmt_pct, fmt_s
+
+dash.register_page(__name__, path="/compare", name="Compare", title="fleetscope · compare", order=3)
+
+RUNS = "compare-runs"
+URL = "compare-url"
+SERIES = "compare-series"
+DECOMP = "compare-decomposition"
+METRICS = "compare-metrics"
+CONFIG = "compare-config"
+ONLY_DIFF = "compare-only-diff"
+MAX_RUNS = 8
+
+# (key, label, formatter, higher is better)
+METRIC_ROWS = (
+    ("tokens_per_s_per_gpu", "tokens/s/GPU", lambda v: f"{fmt_num(v)}", True),
+    ("mfu", "MFU", fmt_pct, True),
+    ("step_ms_per_1k_tokens", "step time per 1k tokens per GPU (ms)", lambda v: f"{v:.2f}" if v is not None else "–", False),
+    ("tokens_per_s", "tokens/s (job)", lambda v: f"{fmt_num(v)}", True),
+    ("step_s", "step time p50", fmt_s, False),
+    ("step_s_p95", "step time p95 (slowest rank)", fmt_s, False),
+    ("data_s", "data", fmt_s, False),
+    ("compute_s", "compute", fmt_s, False),
+    ("comm_exposed_s", "exposed comm", fmt_s, False),
+    ("other_s", "other", fmt_s, False),
+    ("packing_efficiency", "packing efficiency", fmt_pct, True),
+    ("mem_peak_bytes", "peak memory", fmt_bytes, False),
+)
+
+
+def _ids(runs: str | None) -> list[int]:
+    out = []
+    for p in (runs or "").split(","):
+        p = p.strip()
+        if p.isdigit() and 0 < int(p) < 2**31 and int(p) not in out:
+            out.append(int(p))
+    return out[:MAX_RUNS]
+
+
+def layout(runs: str | None = None, diff: str | None = None, **_: Any) -> html.Div:
+    try:
+        opts = views.run_options(_state.engine())
+    except _state.NotReady as e:
+        return empty_state("Starting up", str(e))
+    ids = _ids(runs)
+    known = {o["id"] for o in opts}
+    options = [{"label": f"{o['name']}  ·  {o['model_family'] or '–'} · {o['world_size']} GPUs", "value": o["id"]} for o in opts]
+    # runs in the URL but older than the picker's window stay selectable
+    options += [{"label": f"run {i}", "value": i} for i in ids if i not in known]
+    return html.Div([
+        page_header("Compare", "Two or more runs overlaid; the URL reproduces this view."),
+        dcc.Store(id=URL),
+        html.Div([dcc.Dropdown(id=RUNS, options=options, value=ids, multi=True, placeholder="pick runs to compare…",
+                               className="fs-control fs-control-wide"),
+                  dcc.Checklist(id=ONLY_DIFF, options=[{"label": " config: only differing keys", "value": "1"}],
+                                value=["1"] if diff != "all" else [], className="fs-radio")], className="fs-controls"),
+        loading(html.Div(id=METRICS)),
+        html.Div([section(None, loading(graph(SERIES)), cls="fs-col-7"),
+                  section(None, loading(graph(DECOMP)), cls="fs-col-5")], className="fs-row"),
+        section("Config", loading(html.Div(id=CONFIG))),
+    ])
+
+
+def _delta(v: Any, base: Any, better_high: bool) -> Any:
+    if v is None or base in (None, 0):
+        return None
+    ch = v / base - 1
+    good = (ch > 0) == better_high
+    cls = "fs-delta " + ("fs-good" if good and abs(ch) > 0.005 else "fs-bad" if abs(ch) > 0.005 else "fs-muted")
+    return html.Span(f" {ch * 100:+.1f} %", className=cls)
+
+
+@callback(Output(METRICS, "children"), Output(SERIES, "figure"), Output(DECOMP, "figure"), Output(CONFIG, "children"),
+          Input(RUNS, "value"), Input(ONLY_DIFF, "value"))
+def _fill(ids: list[int] | None, only_diff: list[str] | None) -> tuple[Any, ...]:
+    ids = [int(i) for i in (ids or [])][:MAX_RUNS]
+    if len(ids) < 1:
+        e = empty_state("Pick runs to compare", "Choose two or more runs above (or open /compare?runs=12,15). The overlay, "
+                        "a diff of normalised metrics (tokens/s/GPU, MFU, step time per 1k tokens) and the config diff "
+                        "appear here; copy the URL to share exactly this view.")
+        return e, F.compare_series_figure({}, {}), F.compare_decomposition_figure({}, {}), None
+    data = views.compare_view(_state.engine(), ids)
+    names = {r["id"]: r["name"] for r in data["runs"]}
+    runs = data["runs"]
+    head = ["metric"] + [html.A(names[r["id"]], href=f"/runs/{r['id']}") for r in runs]
+    rows = []
+    for key, label, fmt, hib in METRIC_ROWS:
+        vals = [data["metrics"][r["id"]].get(key) for r in runs]
+        if all(v is None for v in vals):
+            continue
+        b = vals[0]
+        rows.append([label] + [html.Span([fmt(v), _delta(v, b, hib) if i else None]) for i, v in enumerate(vals)])
+    info = [["family"] + [r.get("model_family") or "–" for r in runs], ["GPUs"] + [f"{r['world_size']:,}" for r in runs],
+            ["device"] + [r.get("device_type") or "–" for r in runs], ["commit"] + [r.get("git_commit") or "–" for r in runs]]
+    missing = (html.Div(f"Unknown run ids ignored: {', '.join(map(str, data['missing']))}", className="fs-footnote")
+               if data["missing"] else None)
+    metrics = html.Div([simple_table(head, info + rows, numeric=tuple(range(1, len(runs) + 1)), tid="compare-diff"),
+                        html.Div("Δ is relative to the first run; green = better.", className="fs-footnote"), missing])
+    cfg_rows = [c for c in data["config"] if c["differs"] or not only_diff]
+    if cfg_rows:
+        cfg = simple_table(["key"] + [names[r["id"]] for r in runs],
+                           [[c["key"]] + ["–" if v is None else str(v) for v in c["values"]] for c in cfg_rows],
+                           row_classes=["fs-differs" if c["differs"] else "" for c in cfg_rows], tid="compare-config-table")
+    else:
+        cfg = html.Div("The configs are identical." if data["config"] else "No config recorded for these runs.",
+                       className="fs-muted")
+    return (metrics, F.compare_series_figure(data["series"], names),
+            F.compare_decomposition_figure(data["metrics"], names), cfg)
+
+
+clientside_callback(
+    f"function(r, d) {{ return ({URL_SYNC_JS})([['runs', r], ['diff', (d && d.length) ? null : 'all']]); }}",
+    Output(URL, "data"), Input(RUNS, "value"), Input(ONLY_DIFF, "value"),
+)

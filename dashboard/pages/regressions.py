@@ -1,0 +1,112 @@
+"""Regressions (``/regressions?state=firing&alert=ID``): alerts with the series they were raised on,
+the change point marked, before/after levels, and links to the run and its commit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dash
+from dash import Input, Output, callback, dcc, html
+from fleetscope.server import views
+
+from .. import _state
+from .. import figures as F
+from ..components import empty_state, graph, loading, page_header, section, simple_table
+from ..theme import fmt_time
+
+dash.register_page(__name__, path="/regressions", name="Regressions", title="fleetscope · regressions", order=4)
+
+STATE = "regressions-state"
+ALERT = "regressions-alert"
+CHART = "regressions-chart"
+DETAIL = "regressions-detail"
+TABLE = "regressions-table"
+STATES = ("firing", "acknowledged", "resolved", "all")
+
+
+def _fmt_val(metric: str | None, v: Any, unit: str | None = None) -> str:
+    if v is None:
+        return "–"
+    if metric == "mfu":
+        return f"{v * 100:.1f} %"
+    if unit == "s" or (not unit and metric and metric.endswith("_s") and not metric.startswith("tokens")):
+        return f"{v * 1e3:.1f} ms" if abs(v) < 1 else f"{v:.2f} s"
+    return f"{v:.4g}" + (f" {unit}" if unit else "")
+
+
+def _series_label(a: dict[str, Any]) -> Any:
+    """What the alert is about: the run, the comparable-run series, or the benchmark series."""
+    d = a.get("details") or {}
+    if a["kind"] == "benchmark":
+        params = ", ".join(f"{k}={v}" for k, v in sorted((d.get("params") or {}).items()))
+        return dcc.Link(f"{d.get('cluster', '?')} · {params}", href=f"/benchmarks?cluster={d.get('cluster', '')}")
+    if a["run_id"]:
+        return dcc.Link(a["run_name"] or f"run {a['run_id']}", href=f"/runs/{a['run_id']}")
+    return "–"
+
+
+def layout(state: str | None = None, alert: str | None = None, **_: Any) -> html.Div:
+    state = state if state in STATES else "firing"
+    try:
+        alerts = views.alerts_view(_state.engine(), state=None if state == "all" else state)
+    except _state.NotReady as e:
+        return empty_state("Starting up", str(e))
+    tabs = html.Div([dcc.Link(s, href=f"/regressions?state={s}", className="fs-tab" + (" fs-tab-on" if s == state else ""))
+                     for s in STATES], className="fs-tabs", id=STATE)
+    head = page_header("Regressions", "Statistically significant, practically large changes: runs vs their baseline, "
+                                      "series over commits, change points within runs.", tabs)
+    if not alerts:
+        return html.Div([head, empty_state(
+            f"No {state if state != 'all' else ''} alerts".replace("  ", " "),
+            "Alerts appear when a run is slower than comparable runs (same family, config, device and world size), when a "
+            "benchmark or family series shifts, or when a run's step time changes mid-run. Each shows its series with the "
+            "change point.",
+            ["fleetscope check --server URL --run NAME   # CI gate on one run",
+             "fleetscope detect series.json            # the detector on any series"], eid="regressions-empty")])
+    sel = next((a for a in alerts if str(a["id"]) == str(alert)), alerts[0])
+    rows = []
+    for a in alerts:
+        on = a["id"] == sel["id"]
+        rows.append([
+            dcc.Link(f"#{a['id']}", href=f"/regressions?state={state}&alert={a['id']}", className="fs-strong" if on else None),
+            a["state"], a["kind"], a["metric"], _series_label(a),
+            _fmt_val(a["metric"], a["before"], (a.get("details") or {}).get("unit")),
+            _fmt_val(a["metric"], a["after"], (a.get("details") or {}).get("unit")),
+            f"{a['change'] * 100:+.1f} %" if a["change"] is not None else "–", fmt_time(a["created_at"]),
+        ])
+    table = simple_table(["alert", "state", "kind", "metric", "run / series", "before", "after", "change", "raised (UTC)"], rows,
+                         numeric=(5, 6, 7), row_classes=["fs-selected" if a["id"] == sel["id"] else "" for a in alerts],
+                         tid=TABLE)
+    return html.Div([head, dcc.Store(id=ALERT, data=sel["id"]),
+                     html.Div([section(None, loading(graph(CHART)), cls="fs-col-8"),
+                               section("Alert", loading(html.Div(id=DETAIL)), cls="fs-col-4")], className="fs-row"),
+                     section(f"{len(alerts)} alerts", html.Div(table, className="fs-scroll fs-tall"))])
+
+
+@callback(Output(CHART, "figure"), Output(DETAIL, "children"), Input(ALERT, "data"))
+def _detail(alert_id: int) -> tuple[Any, Any]:
+    eng = _state.engine()
+    a = next((x for x in views.alerts_view(eng) if x["id"] == alert_id), None)
+    if a is None:
+        return F.empty_figure("Alert not found."), None
+    ser = views.alert_series(eng, a)
+    fb = a.get("first_bad") or {}
+    unit = (a.get("details") or {}).get("unit")
+    first_bad = ", ".join(f"{k} {fmt_time(v) if k in ('ts', 'started_at') else v}" for k, v in fb.items()
+                          if k not in ("index", "series_id") and v is not None)
+    items = [["metric", a["metric"]], ["kind", a["kind"]], ["state", a["state"]], ["series", _series_label(a)],
+             ["before → after", f"{_fmt_val(a['metric'], a['before'], unit)} → {_fmt_val(a['metric'], a['after'], unit)}"],
+             ["change", f"{a['change'] * 100:+.1f} %" if a["change"] is not None else "–"],
+             ["significance", f"{a['significance']:.3g}" if a["significance"] is not None else "–"],
+             ["first bad", first_bad or "–"],
+             ["last good commit", (a.get("details") or {}).get("good_commit") or "–"],
+             ["raised", fmt_time(a["created_at"])], ["updated", fmt_time(a["updated_at"])]]
+    links = []
+    bad = fb.get("run_id") or a.get("run_id")
+    if bad:
+        links.append(dcc.Link("open first bad run", href=f"/runs/{bad}", className="fs-btn"))
+    runs, i = (a.get("details") or {}).get("runs") or [], fb.get("index")
+    if isinstance(i, int) and 0 < i < len(runs):
+        links.append(dcc.Link("compare last good vs first bad", href=f"/compare?runs={runs[i - 1]},{runs[i]}",
+                              className="fs-btn"))
+    return F.alert_series_figure(ser, a), html.Div([simple_table(["", ""], items), html.Div(links, className="fs-inline")])

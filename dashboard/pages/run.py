@@ -1,0 +1,320 @@
+"""Run (``/runs/<id>``): what the run spends its step on and what to fix first.
+
+Sections: bottleneck report (Amdahl ceilings + findings), step-time decomposition, per-rank × step
+heatmap (``?heat=step_s|work_s&agg=max|mean``, reduced server-side), stragglers by rank and node,
+throughput/MFU, memory, collectives (busbw, efficiency), modality tokens and packing, goodput and
+events, trace summaries when present, and the config."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import dash
+from dash import Input, Output, callback, clientside_callback, dcc, html
+from fleetscope.server import queries, views
+
+from .. import _state
+from .. import figures as F
+from ..components import (
+    URL_SYNC_JS,
+    empty_state,
+    graph,
+    kpi,
+    kpi_strip,
+    loading,
+    page_header,
+    section,
+    simple_table,
+    status_badge,
+)
+from ..theme import fmt_bytes, fmt_num, fmt_pct, fmt_s, fmt_time
+
+dash.register_page(__name__, path_template="/runs/<run_id>", name="Run", title="fleetscope · run", order=1)
+
+RUN = "run-id"
+URL = "run-url"
+KPIS = "run-kpis"
+BOTTLENECK_TEXT = "run-bottleneck-text"
+BOTTLENECK = "run-bottleneck"
+DECOMPOSITION = "run-decomposition"
+HEAT_FIELD = "run-heat-field"
+HEAT_AGG = "run-heat-agg"
+HEATMAP = "run-heatmap"
+STRAGGLERS = "run-stragglers"
+STRAGGLER_TABLE = "run-straggler-table"
+THROUGHPUT = "run-throughput"
+MEMORY = "run-memory"
+COLLECTIVES = "run-collectives"
+COLLECTIVE_TABLE = "run-collective-table"
+MODALITY = "run-modality"
+EXTRAS = "run-extras"
+CONFIG = "run-config"
+
+GRAPHS = (BOTTLENECK, DECOMPOSITION, HEATMAP, STRAGGLERS, THROUGHPUT, MEMORY, COLLECTIVES, MODALITY)
+
+
+def _run_id(run_id: Any) -> int | None:
+    try:
+        v = int(str(run_id))
+    except (TypeError, ValueError):
+        return None
+    return v if 0 < v < 2**31 else None
+
+
+def layout(run_id: str | None = None, heat: str | None = None, agg: str | None = None, **_: Any) -> html.Div:
+    rid = _run_id(run_id)
+    try:
+        eng = _state.engine()
+    except _state.NotReady as e:
+        return empty_state("Starting up", str(e))
+    run = queries.get_run(eng, rid) if rid else None
+    if run is None:
+        return html.Div([page_header("Run not found"),
+                         empty_state(f"There is no run {run_id!r}", "Pick a run on the fleet page.",
+                                     eid="run-not-found"),
+                         dcc.Link("← fleet", href="/")])
+    heat = heat if heat in ("step_s", "work_s") else "work_s"  # work time shows stragglers; step time is equal in sync jobs
+    agg = agg if agg in ("max", "mean", "min") else "max"
+    sub = [status_badge(run["status"]), f" {run.get('model_family') or 'no family'} · {run['world_size']:,} ranks",
+           f" × {run.get('device_type') or 'unknown device'}", f" · started {fmt_time(run.get('started_at'))}"]
+    if run.get("git_commit"):
+        sub.append(f" · commit {run['git_commit']}")
+    right = html.Div([dcc.Link("compare with…", href=f"/compare?runs={rid}", className="fs-btn"),
+                      dcc.Link("scaling of family", href=f"/scaling?family={run.get('model_family') or ''}",
+                               className="fs-btn") if run.get("model_family") else None])
+    return html.Div([
+        dcc.Store(id=RUN, data=rid), dcc.Store(id=URL),
+        page_header(run["name"], sub, right),
+        loading(kpi_strip([], kid=KPIS)),
+        html.Div([
+            section("What to fix first", loading(html.Div(id=BOTTLENECK_TEXT)), cls="fs-col-5"),
+            section(None, loading(graph(BOTTLENECK)), cls="fs-col-7"),
+        ], className="fs-row"),
+        section(None, loading(graph(DECOMPOSITION))),
+        section(None, loading(graph(HEATMAP)), right=html.Div([
+            dcc.RadioItems(id=HEAT_FIELD, options=[{"label": "step time", "value": "step_s"},
+                                                   {"label": "work time", "value": "work_s"}],
+                           value=heat, inline=True, className="fs-radio"),
+            dcc.RadioItems(id=HEAT_AGG, options=[{"label": a, "value": a} for a in ("max", "mean", "min")],
+                           value=agg, inline=True, className="fs-radio"),
+        ], className="fs-inline")),
+        section(None, [loading(graph(STRAGGLERS)), loading(html.Div(id=STRAGGLER_TABLE))]),
+        html.Div([section(None, loading(graph(THROUGHPUT)), cls="fs-col-6"),
+                  section(None, loading(graph(MEMORY)), cls="fs-col-6")], className="fs-row"),
+        section(None, html.Div([html.Div(loading(graph(COLLECTIVES)), className="fs-col-6"),
+                                         html.Div(loading(html.Div(id=COLLECTIVE_TABLE)), className="fs-col-6 fs-scroll")],
+                                        className="fs-row")),
+        section(None, loading(graph(MODALITY))),
+        loading(html.Div(id=EXTRAS)),
+        section("Config", loading(html.Div(id=CONFIG))),
+    ], className="fs-run")
+
+
+def _findings(summary: dict[str, Any], ranking: list[dict[str, Any]]) -> list[str]:
+    """Findings from the summary alone (used when the analysis layer has none for this run)."""
+    out = []
+    ov = summary.get("overlap_ratio")
+    if ov is not None and ov < 0.5 and (summary.get("comm_total_s") or 0) > 0:
+        out.append(f"low overlap: only {ov * 100:.0f} % of communication is hidden behind compute.")
+    if summary.get("alloc_retries"):
+        out.append(f"{summary['alloc_retries']:.0f} allocator retries: memory pressure on the hot path.")
+    if summary.get("negative_residual_steps"):
+        out.append(f"{summary['negative_residual_steps']} steps with a negative residual (timing error), reported not clamped.")
+    pk = summary.get("packing_efficiency")
+    if pk is not None and pk < 0.9:
+        out.append(f"packing efficiency {pk * 100:.0f} %: {100 - pk * 100:.0f} % of tokens are padding.")
+    return out
+
+
+def _bottleneck_panel(summary: dict[str, Any], report: dict[str, Any]) -> html.Div:
+    ranking = report["ranking"]
+    if not ranking:
+        return empty_state("No decomposition yet", "The report appears once steps with data/compute/comm timings arrive.")
+    top = ranking[0]
+    items = []
+    for r in ranking[:5]:
+        ceiling = f"at most {r['max_speedup']:.2f}×" if r.get("max_speedup") else "unbounded"
+        items.append(html.Li([html.B(r["component"]), f" — {r['share'] * 100:.1f} % of step time; removing it: {ceiling}"]
+                             + [html.Div(f, className="fs-finding") for f in r.get("findings") or []]))
+    findings = report["findings"] or _findings(summary, ranking)
+    src = ("source: analysis layer — shares are sums over steps; straggler wait carved out of exposed comm"
+           if report["source"] == "analysis" else
+           "source: run summary — shares of the median step; straggler wait = median (max − median) rank work")
+    return html.Div([
+        html.Div([html.Span("Fix first: ", className="fs-muted"), html.B(top["component"]),
+                  f" (≤ {top['max_speedup']:.2f}× step speed-up)" if top.get("max_speedup") else ""], className="fs-fixfirst"),
+        html.Ol(items, className="fs-list"),
+        html.Div([html.Div("Findings", className="fs-kpi-label"), html.Ul([html.Li(f) for f in findings], className="fs-list")])
+        if findings and report["source"] != "analysis" else None,
+        html.Div(src, className="fs-footnote"),
+    ], id="run-bottleneck-report")
+
+
+@callback(
+    Output(KPIS, "children"), Output(BOTTLENECK_TEXT, "children"), Output(BOTTLENECK, "figure"),
+    Output(DECOMPOSITION, "figure"), Output(THROUGHPUT, "figure"), Output(MEMORY, "figure"), Output(MODALITY, "figure"),
+    Input(RUN, "data"),
+)
+def _series(rid: int) -> tuple[Any, ...]:
+    eng = _state.engine()
+    summary = queries.run_summary(eng, rid) or {}
+    series = views.run_series(eng, rid)
+    series["mfu_estimated"] = summary.get("mfu_estimated")
+    d = summary.get("decomposition") or {}
+    report = views.bottleneck_report(eng, rid, summary) if summary else {"ranking": [], "findings": [], "source": "none"}
+    ws = (summary.get("run") or {}).get("world_size") or 1
+    kpis = [
+        kpi("step p50", fmt_s(d.get("step_s")), f"p95 slowest rank {fmt_s(summary.get('step_s_p95'))}"),
+        kpi("MFU", fmt_pct(summary.get("mfu")), "estimated" if summary.get("mfu_estimated") else (summary.get("flops_source") or "")),
+        kpi("throughput", f"{fmt_num(summary.get('tokens_per_s'))} tokens/s",
+            f"{fmt_num(summary.get('tokens_per_s_per_gpu'))} tokens/s/GPU" if summary.get("tokens_per_s") else None),
+        kpi("exposed comm", fmt_s(d.get("comm_exposed_s")),
+            f"overlap {fmt_pct(summary.get('overlap_ratio'))}" if summary.get("overlap_ratio") is not None else None),
+        kpi("data wait", fmt_s(d.get("data_s"))),
+        kpi("peak memory", fmt_bytes(summary.get("mem_peak_bytes")), "max over ranks"),
+        kpi("packing", fmt_pct(summary.get("packing_efficiency")), "real ÷ padded tokens"),
+        kpi("records", f"{fmt_num(summary.get('rank_steps'))} rank-steps",
+            f"{summary.get('steps', 0):,} steps × {ws:,} ranks"),
+    ]
+    return (kpis, _bottleneck_panel(summary, report), F.bottleneck_figure(report["ranking"]), F.decomposition_figure(series),
+            F.throughput_figure(series), F.memory_figure(series),
+            F.modality_figure(views.modality_series(eng, rid), series.get("packing")))
+
+
+@callback(Output(HEATMAP, "figure"), Input(RUN, "data"), Input(HEAT_FIELD, "value"), Input(HEAT_AGG, "value"))
+def _heatmap(rid: int, field: str, agg: str) -> Any:
+    return F.heatmap_figure(views.rank_heatmap(_state.engine(), rid, field=field or "work_s", how=agg or "max"))
+
+
+@callback(Output(STRAGGLERS, "figure"), Output(STRAGGLER_TABLE, "children"), Input(RUN, "data"))
+def _stragglers(rid: int) -> tuple[Any, Any]:
+    eng = _state.engine()
+    sd = views.rank_slowdown(eng, rid)
+    rep = views.analysis("stragglers", eng, run_id=rid)
+    if isinstance(rep, dict):
+        items = rep.get("stragglers") or []
+        nodes = rep.get("nodes") or []
+        if not items:
+            table = html.Div(f"No straggler: no rank's work stays above {rep.get('threshold', 1.05):.2f}× the median rank "
+                             f"(source: {rep.get('source') or 'no data'}).", className="fs-muted")
+        else:
+            rows = [[it["rank"], it.get("host") or "–", it.get("node") or "–",
+                     f"{it['slowdown']:.3f}×" if it.get("slowdown") else "–", it.get("kind") or "–",
+                     it.get("component") or "–", fmt_s(it.get("lost_s")),
+                     fmt_s(it.get("lateness_s")) if it.get("lateness_s") is not None else "–"] for it in items[:12]]
+            head = [html.Div([html.B("Straggler node: "), ", ".join(
+                f"{n['node']} ({len(n['ranks'])} ranks, {n['slowdown']:.2f}×)" for n in nodes[:3])], className="fs-fixfirst")
+                    ] if nodes else []
+            table = html.Div(head + [simple_table(
+                ["rank", "host", "node", "slowdown", "kind", "late in", "fleet time lost", "lateness at collectives"],
+                rows, numeric=(0, 3, 6, 7), tid="run-straggler-rows")])
+    elif sd is not None and len(sd["slowdown"]):
+        top = sorted(((float(v), int(r)) for r, v in zip(sd["rank"], sd["slowdown"], strict=True) if v == v), reverse=True)[:5]
+        table = html.Div(["Slowest ranks: "] + [html.Span(f"rank {r}{'' if sd['node_of'][r] == '?' else ' (' + sd['node_of'][r] + ')'} {v:.3f}×",
+                                                          className="fs-chip")
+                                                for v, r in top], className="fs-muted")
+    else:
+        table = None
+    return F.slowdown_figure(sd), table
+
+
+@callback(Output(COLLECTIVES, "figure"), Output(COLLECTIVE_TABLE, "children"), Input(RUN, "data"))
+def _collectives(rid: int) -> tuple[Any, Any]:
+    view = views.collectives_view(_state.engine(), rid)
+    rows = view["rows"]
+    if not rows:
+        return F.collectives_figure(rows), empty_state(
+            "No collectives recorded", "torch.distributed collectives appear here once the agent is initialised in the job.")
+    body = [[r["op"], r["group_size"], fmt_bytes(r["size_bucket_bytes"]), f"{r['calls']:,}", fmt_s(r["total_s"]),
+             fmt_s(r.get("exposed_s")),
+             f"{r['busbw_bytes_per_s'] / 1e9:.1f}" if r.get("busbw_bytes_per_s") is not None else "–",
+             r.get("link") or "–",
+             fmt_pct(r.get("efficiency"), 0) if r.get("efficiency") is not None else "n/a"] for r in rows[:40]]
+    table = simple_table(["op", "n", "size/call ≥", "calls", "total", "exposed", "busbw (GB/s)", "link", "eff. vs peak"],
+                         body, numeric=(1, 2, 3, 4, 5, 6, 8), tid="run-collective-rows")
+    eff = view.get("efficiency_large_messages")
+    foot = [f"Time-weighted efficiency of messages ≥ 1 MiB: {eff * 100:.0f} % of link peak." if eff is not None else None,
+            view.get("note")]
+    return F.collectives_figure(rows), html.Div([table] + [html.Div(f, className="fs-footnote") for f in foot if f])
+
+
+def _num_cell(v: Any, fmt: str = "{:.2f}") -> str:
+    return fmt.format(v) if isinstance(v, (int, float)) else "–"
+
+
+def _traces_section(traces: Any) -> Any:
+    """Exact figures from imported profiler traces (``fleetscope import-trace``): per rank, the cross-rank
+    kernel-type totals (the ``rank = -1`` row) and the top kernels of the first rank."""
+    items = [t for t in (traces or []) if isinstance(t, dict) and isinstance(t.get("summary"), dict)]
+    ranks = [t for t in items if (t.get("rank") or 0) >= 0]
+    if not ranks:
+        return None
+    rows = [[t["rank"], t.get("source") or "–",
+             *(_num_cell(t["summary"].get(k)) for k in ("compute_pct", "non_compute_pct", "idle_pct", "comm_overlap_pct")),
+             _num_cell((t["summary"].get("kernel_time_us") or 0) / 1e3 if t["summary"].get("kernel_time_us") is not None
+                       else None, "{:,.1f}")] for t in ranks[:64]]
+    parts: list[Any] = [html.Div(simple_table(
+        ["rank", "trace", "compute %", "non-compute %", "idle %", "comm overlap %", "kernel time (ms)"], rows,
+        numeric=(0, 2, 3, 4, 5, 6), tid="run-trace-ranks"), className="fs-col-7 fs-scroll")]
+    side: list[Any] = []
+    totals = next((t["summary"].get("kernel_types") for t in items if t.get("rank") == -1), None)
+    if totals:
+        side.append(simple_table(["kernel type (all ranks)", "time (ms)", "%"],
+                                 [[k.get("kernel_type"), _num_cell((k.get("time_us") or 0) / 1e3, "{:,.1f}"),
+                                   _num_cell(k.get("percentage"), "{:.1f}")] for k in totals], numeric=(1, 2)))
+    top = sorted(ranks[0]["summary"].get("top_kernels") or [], key=lambda k: -(k.get("sum_us") or 0))[:10]
+    if top:
+        side.append(simple_table([f"top kernels, rank {ranks[0]['rank']}", "type", "calls", "total (ms)"],
+                                 [[(k.get("name") or "")[:80], k.get("kernel_type"), f"{k.get('count', 0):,}",
+                                   _num_cell((k.get("sum_us") or 0) / 1e3, "{:,.2f}")] for k in top], numeric=(2, 3)))
+    parts.append(html.Div(side, className="fs-col-5 fs-scroll"))
+    return section(f"Profiler traces ({len(ranks)} ranks, exact decomposition)", html.Div(parts, className="fs-row"),
+                   sid="run-traces")
+
+
+@callback(Output(EXTRAS, "children"), Output(CONFIG, "children"), Input(RUN, "data"))
+def _extras(rid: int) -> tuple[Any, Any]:
+    eng = _state.engine()
+    run = queries.get_run(eng, rid) or {}
+    parts = []
+    good = views.analysis("goodput", eng, run_id=rid)
+    if isinstance(good, dict) and good.get("goodput") is not None:
+        shares = good.get("badput_share") or {}
+        tiles = [kpi("goodput", fmt_pct(good.get("goodput")), f"productive of {fmt_s(good.get('wall_s'))} wall"
+                     + (" · estimated (no run events)" if good.get("estimated") else ""))]
+        for k, v in (good.get("badput") or {}).items():
+            tiles.append(kpi(str(k).removesuffix("_s").replace("_", " "), fmt_s(v), fmt_pct(shares.get(k)) + " of wall"))
+        parts.append(section("Goodput", kpi_strip(tiles, kid="run-goodput")))
+    events = views.run_events(eng, rid)
+    if events:
+        rows = [[fmt_time(e["ts"]), e["kind"], e["rank"], e["step"] if e["step"] is not None else "–",
+                 json.dumps(e["data"], default=str)[:120]] for e in events[:100]]
+        parts.append(section(f"Events ({len(events)})", html.Div(
+            simple_table(["time (UTC)", "kind", "rank", "step", "data"], rows, numeric=(2, 3)), className="fs-scroll")))
+    tr = _traces_section(views.run_traces(eng, rid))
+    if tr is not None:
+        parts.append(tr)
+    cfg = run.get("config") or {}
+    meta = run.get("meta") or {}
+    info = [["name", run.get("name")], ["id", run.get("id")], ["family", run.get("model_family") or "–"],
+            ["world size", run.get("world_size")], ["model-parallel size", run.get("mp_size")],
+            ["device", f"{run.get('device_type') or '–'} × {run.get('device_count') or '–'}"],
+            ["peak FLOP/s per device", fmt_num(run.get("peak_flops"))], ["commit", run.get("git_commit") or "–"],
+            ["started", fmt_time(run.get("started_at"))], ["finished", fmt_time(run.get("finished_at"))],
+            ["last seen", fmt_time(run.get("last_seen_at"))], ["config signature", run.get("config_signature") or "–"]]
+    cfg_rows = [[k, json.dumps(v, default=str)] for k, v in sorted(cfg.items())]
+    meta_rows = [[k, json.dumps(v, default=str)] for k, v in sorted(meta.items())]
+    config = html.Div([
+        html.Div(simple_table(["run", ""], info), className="fs-col-4"),
+        html.Div(simple_table(["config key", "value"], cfg_rows) if cfg_rows else
+                 empty_state("No config", "Pass config={...} to fs.init to see (and compare) it here."), className="fs-col-4"),
+        html.Div(simple_table(["meta", "value"], meta_rows) if meta_rows else None, className="fs-col-4"),
+    ], className="fs-row")
+    return parts, config
+
+
+clientside_callback(
+    f"function(h, a) {{ return ({URL_SYNC_JS})([['heat', h], ['agg', a]]); }}",
+    Output(URL, "data"), Input(HEAT_FIELD, "value"), Input(HEAT_AGG, "value"),
+)

@@ -1,0 +1,79 @@
+"""Scaling (``/scaling?family=F``): throughput and scaling efficiency against world size per
+configuration, the ideal line, and which step-time component grows with scale."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dash
+from dash import Input, Output, callback, clientside_callback, dcc, html
+from fleetscope.server import views
+
+from .. import _state
+from .. import figures as F
+from ..components import URL_SYNC_JS, empty_state, graph, loading, page_header, section, simple_table
+from ..theme import fmt_num, fmt_pct, fmt_s
+
+dash.register_page(__name__, path="/scaling", name="Scaling", title="fleetscope · scaling", order=2)
+
+FAMILY = "scaling-family"
+URL = "scaling-url"
+THROUGHPUT = "scaling-throughput"
+EFFICIENCY = "scaling-efficiency"
+DECOMP = "scaling-decomposition"
+TABLE = "scaling-table"
+EMPTY = "scaling-empty"
+MAX_CONFIGS = 4
+
+
+def layout(family: str | None = None, **_: Any) -> html.Div:
+    try:
+        fams = views.families(_state.engine())
+    except _state.NotReady as e:
+        return empty_state("Starting up", str(e))
+    if not fams:
+        return html.Div([page_header("Scaling"), empty_state(
+            "No model families yet",
+            "Runs of one model family at several world sizes show here as throughput and efficiency against GPUs, with "
+            "the ideal line and the component that grows with scale.",
+            ["fs.init(name=..., model_family='vla-7b', config={...})   # same family, different world sizes",
+             "fleetscope demo   # a synthetic fleet at 8 … 4096 GPUs"], eid=EMPTY)])
+    fam = family if family in fams else fams[0]
+    return html.Div([
+        page_header("Scaling", "Per model family: measured vs ideal throughput, efficiency, and where the loss comes from.",
+                    dcc.Dropdown(id=FAMILY, options=[{"label": f, "value": f} for f in fams], value=fam, clearable=False,
+                                 className="fs-control")),
+        dcc.Store(id=URL),
+        html.Div([section(None, loading(graph(THROUGHPUT)), cls="fs-col-6"),
+                  section(None, loading(graph(EFFICIENCY)), cls="fs-col-6")], className="fs-row"),
+        loading(html.Div(id=DECOMP, className="fs-row")),
+        section("Points", loading(html.Div(id=TABLE))),
+    ])
+
+
+@callback(Output(THROUGHPUT, "figure"), Output(EFFICIENCY, "figure"), Output(DECOMP, "children"), Output(TABLE, "children"),
+          Input(FAMILY, "value"))
+def _fill(family: str) -> tuple[Any, ...]:
+    data = views.scaling_view(_state.engine(), family)
+    cfgs = data["configs"][:MAX_CONFIGS]
+    data = {**data, "configs": cfgs}
+    if not cfgs:
+        e = empty_state(f"No runs of {family} with throughput yet", "Runs need tokens per step to be placed on the curve.")
+        return F.scaling_throughput_figure(data), F.scaling_efficiency_figure(data), [], e
+    width = 12 // max(1, min(len(cfgs), 2))
+    decs = [section(None, graph(f"{DECOMP}-{i}", F.scaling_decomposition_figure(g)), cls=f"fs-col-{width}")
+            for i, g in enumerate(cfgs)]
+    rows = []
+    for g in cfgs:
+        for p in g["points"]:
+            rows.append([g["config"], f"{p['world_size']:,}", len(p["runs"]), f"{fmt_num(p['tokens_per_s'])}",
+                         f"{fmt_num(p['tokens_per_s'] / p['world_size'])}", fmt_s(p["step_s"]), fmt_pct(p["mfu"]),
+                         fmt_pct(p["efficiency"]), g["mode"],
+                         html.Span([dcc.Link(n, href=f"/runs/{r}") for r, n in zip(p["runs"][:3], p["run_names"][:3], strict=True)],
+                                   className="fs-links")])
+    table = simple_table(["configuration", "GPUs", "runs", "tokens/s", "tokens/s/GPU", "step", "MFU", "efficiency", "mode",
+                          "runs"], rows, numeric=(1, 2, 3, 4, 5, 6, 7), tid="scaling-points")
+    return F.scaling_throughput_figure(data), F.scaling_efficiency_figure(data), decs, table
+
+
+clientside_callback(f"function(f) {{ return ({URL_SYNC_JS})([['family', f]]); }}", Output(URL, "data"), Input(FAMILY, "value"))

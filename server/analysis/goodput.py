@@ -1,0 +1,101 @@
+"""Goodput (metrics.md): the share of a run's wall time spent in productive steps.
+
+Wall time runs from the run's start to its end (``finished_at``, else the last step's end).
+Productive time is the sum over steps of the median rank's step time minus its data wait. Badput:
+
+- ``init_s``: start of the run to the first step;
+- ``checkpoint_s`` / ``eval_s``: ``checkpoint``, ``checkpoint_save``, ``checkpoint_load`` and ``eval``
+  run events, each with ``data.duration_s`` (the agent's ``run.event(kind, step, duration_s=...)``);
+- ``restart_s``: for each ``restart`` event, the time since the last checkpoint before it completed
+  (event ts + duration: the work lost and the downtime); steps run in that span count here, not as
+  productive;
+- ``data_stall_s``: the median rank's data wait, summed over steps;
+- ``unaccounted_s``: the rest (gaps between steps, host work outside steps).
+
+Events are taken to block training (a synchronous checkpoint); where their durations overlap the
+steps (asynchronous checkpointing) the overlap is reported as ``overlap_s`` and not charged twice.
+
+Event-based parts are as good as what the job reports; the result says which parts it had.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Engine, text
+
+__all__ = ["run_goodput", "CHECKPOINT_KINDS", "EVAL_KINDS", "RESTART_KINDS"]
+
+CHECKPOINT_KINDS = ("checkpoint", "checkpoint_save", "checkpoint_load")
+EVAL_KINDS = ("eval", "evaluation")
+RESTART_KINDS = ("restart",)
+
+
+def _dur(data: dict[str, Any]) -> float:
+    v = data.get("duration_s")
+    return float(v) if isinstance(v, (int, float)) and v > 0 else 0.0
+
+
+def run_goodput(engine: Engine, run_id: int) -> dict[str, Any] | None:
+    """Goodput and badput breakdown of a run (None if the run does not exist)."""
+    with engine.connect() as c:
+        run = c.execute(
+            text("SELECT extract(epoch FROM started_at), extract(epoch FROM finished_at), status FROM runs WHERE id = :id"),
+            {"id": run_id},
+        ).fetchone()
+        if run is None:
+            return None
+        st = c.execute(
+            text("SELECT ts, step_s, data_s FROM steps WHERE run_id = :id AND n_ranks > 0 ORDER BY step"), {"id": run_id}
+        ).fetchall()
+        # events are per rank; rank 0 (or the lowest reporting rank) speaks for the job
+        ev = c.execute(
+            text(
+                "SELECT kind, ts, step, data FROM run_events WHERE run_id = :id AND rank = "
+                "(SELECT min(rank) FROM run_events WHERE run_id = :id) ORDER BY ts NULLS LAST, seq"
+            ),
+            {"id": run_id},
+        ).fetchall()
+    started, finished = float(run[0]), (float(run[1]) if run[1] is not None else None)
+    out: dict[str, Any] = {"run_id": run_id, "goodput": None, "wall_s": None, "productive_s": None,
+                           "badput": {}, "events": {}, "estimated": True}
+    if not st:
+        return out
+    ts = np.array([np.nan if r[0] is None else r[0] for r in st], dtype=np.float64)
+    step_s = np.nan_to_num(np.array([np.nan if r[1] is None else r[1] for r in st], dtype=np.float64))
+    data_s = np.nan_to_num(np.array([np.nan if r[2] is None else r[2] for r in st], dtype=np.float64))
+    have_ts = np.isfinite(ts)
+    first_ts = float(ts[have_ts].min()) if have_ts.any() else started
+    last_end = float(np.nanmax(ts + step_s)) if have_ts.any() else started + float(step_s.sum())
+    end = finished if finished is not None and finished >= last_end else last_end
+    start = min(started, first_ts)
+    wall = max(end - start, float(step_s.sum()))
+    ckpt = sum(_dur(d or {}) for k, _, _, d in ev if k in CHECKPOINT_KINDS)
+    evl = sum(_dur(d or {}) for k, _, _, d in ev if k in EVAL_KINDS)
+    restart = 0.0
+    lost_steps = np.zeros(len(st), dtype=bool)
+    ckpt_ts = [t + _dur(d or {}) for k, t, _, d in ev if k in CHECKPOINT_KINDS and t is not None]
+    for k, t, _, _ in ev:
+        if k in RESTART_KINDS and t is not None:
+            prev = max([c for c in ckpt_ts if c <= t], default=first_ts)
+            restart += max(t - prev, 0.0)
+            lost_steps |= have_ts & (ts >= prev) & (ts < t)
+    productive = float(np.sum((step_s - data_s)[~lost_steps]))
+    data_stall = float(np.sum(data_s[~lost_steps]))
+    init = max(first_ts - start, 0.0)
+    badput = {"init_s": init, "checkpoint_s": ckpt, "eval_s": evl, "restart_s": restart, "data_stall_s": data_stall}
+    rest = wall - productive - sum(badput.values())
+    badput["unaccounted_s"] = max(rest, 0.0)
+    out.update(
+        goodput=productive / wall if wall > 0 else None,
+        wall_s=wall,
+        productive_s=productive,
+        badput=badput,
+        overlap_s=max(-rest, 0.0),
+        badput_share={k: (v / wall if wall > 0 else None) for k, v in badput.items()},
+        events={k: sum(1 for e in ev if e[0] in kinds) for k, kinds in
+                (("checkpoint", CHECKPOINT_KINDS), ("eval", EVAL_KINDS), ("restart", RESTART_KINDS))},
+        estimated=not ev,
+    )
+    return out

@@ -1,0 +1,158 @@
+"""Scaling per model family and configuration, and cross-run comparison in normalised units.
+
+Scaling (metrics.md): the runs of one family whose configs match once the size-dependent keys are
+left out (``runstats.scaling_signature``) and that share a device type form one curve. Weak scaling
+(per-device batch fixed): efficiency(n) = (throughput(n)/n) / (throughput(n0)/n0); strong scaling
+(global batch fixed): efficiency(n) = step_s(n0)·n0 / (step_s(n)·n). The mode is read from the data:
+tokens per rank-step constant across sizes → weak; tokens per step constant → strong. Several runs
+at one size are combined by their median. The component whose share of step time grows most from
+n0 to the largest n explains the loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Engine
+
+from .runstats import run_stats, scaling_signature
+
+__all__ = ["scaling", "compare_runs", "COMPARE_METRICS"]
+
+_COMPONENTS = ("data", "compute", "comm_exposed", "other", "straggler_wait")
+COMPARE_METRICS = ("tokens_per_s_per_gpu", "mfu", "step_s_per_1k_tokens", "step_s", "tokens_per_s", "overlap_ratio")
+
+
+def _med(vals: list[float | None]) -> float | None:
+    v = [x for x in vals if x is not None]
+    return float(np.median(v)) if v else None
+
+
+def _mode(points: list[dict[str, Any]]) -> str:
+    per_dev = [p["tokens_per_rank_step"] for p in points if p["tokens_per_rank_step"]]
+    glob = [p["tokens_per_step"] for p in points if p["tokens_per_step"]]
+    if len(points) < 2:
+        return "unknown"
+
+    def cv(x: list[float]) -> float:
+        return float(np.std(x) / np.mean(x)) if len(x) == len(points) and np.mean(x) > 0 else np.inf
+
+    if cv(per_dev) <= 0.05:
+        return "weak"
+    if cv(glob) <= 0.05:
+        return "strong"
+    return "unknown"
+
+
+def scaling(engine: Engine, *, family: str, device_type: str | None = None, signature: str | None = None,
+            status: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Scaling curves of a family: one group per (scaling signature, device type), points by world size."""
+    stats = run_stats(engine, family=family)
+    groups: dict[tuple[str, str | None], list[dict[str, Any]]] = {}
+    for st in stats.values():
+        run = st["run"]
+        if not st["steps"] or st.get("step_s") is None:
+            continue
+        if status and run["status"] not in status:
+            continue
+        if device_type and run.get("device_type") != device_type:
+            continue
+        sig = scaling_signature(run.get("config"))
+        if signature and sig != signature:
+            continue
+        groups.setdefault((sig, run.get("device_type")), []).append(st)
+    out_groups = []
+    for (sig, dev), members in groups.items():
+        by_n: dict[int, list[dict[str, Any]]] = {}
+        for st in members:
+            by_n.setdefault(int(st["run"]["world_size"] or 1), []).append(st)
+        points: list[dict[str, Any]] = []
+        for n in sorted(by_n):
+            ms = by_n[n]
+            shares = {k: _med([(m["shares"] or {}).get(k) for m in ms]) for k in _COMPONENTS}
+            points.append({
+                "world_size": n,
+                "runs": [m["run"]["id"] for m in ms],
+                "run_names": [m["run"]["name"] for m in ms],
+                "throughput_tokens_per_s": _med([m["tokens_per_s"] for m in ms]),
+                "tokens_per_s_per_gpu": _med([m["tokens_per_s_per_gpu"] for m in ms]),
+                "step_s": _med([m["step_s"] for m in ms]),
+                "mfu": _med([m["mfu"] for m in ms]),
+                "tokens_per_rank_step": _med([m["tokens_per_rank_step"] for m in ms]),
+                "tokens_per_step": _med([m["tokens_per_step"] for m in ms]),
+                "shares": shares,
+            })
+        mode = _mode(points)
+        p0 = points[0]
+        n0 = p0["world_size"]
+        for p in points:
+            n = p["world_size"]
+            weak = strong = None
+            if p["throughput_tokens_per_s"] and p0["throughput_tokens_per_s"]:
+                weak = (p["throughput_tokens_per_s"] / n) / (p0["throughput_tokens_per_s"] / n0)
+            if p["step_s"] and p0["step_s"]:
+                strong = (p0["step_s"] * n0) / (p["step_s"] * n)
+            p["weak_efficiency"] = weak
+            p["strong_efficiency"] = strong
+            p["efficiency"] = strong if mode == "strong" else weak
+            p["ideal_throughput_tokens_per_s"] = (p0["throughput_tokens_per_s"] * n / n0
+                                                  if p0["throughput_tokens_per_s"] else None)
+        growth = None
+        if len(points) >= 2:
+            first, last = points[0]["shares"], points[-1]["shares"]
+            deltas = {k: (last[k] - first[k]) for k in _COMPONENTS if last.get(k) is not None and first.get(k) is not None}
+            if deltas:
+                k = max(deltas, key=lambda c: deltas[c])
+                if deltas[k] > 0:
+                    growth = {"component": k, "share_at_n0": first[k], "share_at_max": last[k],
+                              "n0": n0, "n_max": points[-1]["world_size"],
+                              "explanation": f"{k} grows from {100 * first[k]:.0f}% of the step at {n0} GPUs to "
+                                             f"{100 * last[k]:.0f}% at {points[-1]['world_size']}"}
+        rep = members[0]["run"]
+        out_groups.append({
+            "signature": sig,
+            "device_type": dev,
+            "config": {k: v for k, v in (rep.get("config") or {}).items()},
+            "mode": mode,
+            "n0": n0,
+            "points": points,
+            "growing_component": growth,
+        })
+    out_groups.sort(key=lambda g: (-len(g["points"]), str(g["device_type"]), g["signature"]))
+    return {"family": family, "groups": out_groups}
+
+
+def compare_runs(engine: Engine, *, run_ids: list[int]) -> dict[str, Any]:
+    """Runs side by side in normalised units (tokens/s/GPU, MFU, GPU-seconds per 1k tokens), with the
+    first run as the reference for relative figures, shares of step time, and the config keys that differ."""
+    stats = run_stats(engine, run_ids)
+    rows = []
+    for rid in run_ids:
+        st = stats.get(int(rid))
+        if st is None:
+            continue
+        run = st["run"]
+        rows.append({
+            "id": run["id"], "name": run["name"], "model_family": run["model_family"], "world_size": run["world_size"],
+            "device_type": run["device_type"], "git_commit": run["git_commit"], "status": run["status"],
+            "started_at": run["started_at"],
+            **{m: st.get(m) for m in COMPARE_METRICS},
+            "shares": st.get("shares"),
+            "decomposition": {k: st.get(k) for k in ("step_s", "data_s", "compute_s", "comm_exposed_s", "other_s")},
+            "config": run.get("config") or {},
+        })
+    relative: dict[str, list[float | None]] = {}
+    if rows:
+        ref = rows[0]
+        for m in COMPARE_METRICS:
+            relative[m] = [(r[m] / ref[m]) if r[m] is not None and ref[m] else None for r in rows]
+    keys = sorted({k for r in rows for k in r["config"]})
+    diff = {k: [r["config"].get(k) for r in rows] for k in keys
+            if len({repr(r["config"].get(k)) for r in rows}) > 1}
+    for field in ("model_family", "world_size", "device_type", "git_commit"):
+        vals = [r[field] for r in rows]
+        if len({repr(v) for v in vals}) > 1:
+            diff[field] = vals
+    missing = [int(r) for r in run_ids if int(r) not in stats]
+    return {"runs": rows, "relative_to_first": relative, "config_diff": diff, "missing": missing}

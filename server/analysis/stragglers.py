@@ -1,0 +1,302 @@
+"""Stragglers (metrics.md): found by the work a rank does before it arrives, never by step time.
+
+``work_s = step_s - comm_exposed_s``. Per step: skew = max work / median work, the slowest rank.
+Per rank: slowdown = median over steps of (rank work / the step's median work). A rank is a
+straggler when that median is above the threshold (1.05): *persistent* over the run, or *transient*
+when only some windows of ``WINDOW_STEPS`` steps have it above. A node whose ranks are all
+stragglers is named as the cause. Each straggler carries the component that made it late (its
+excess over the step median in data, compute, other), its lateness at collectives where start
+timestamps exist, and the fleet time lost waiting for it.
+
+Source: the per-(run, rank) rollups kept at compaction (``rollups.py``); runs compacted without
+them (older data, a compactor without the fold) are analysed from the step blocks of the most
+recent ``FALLBACK_STEPS`` steps, and the result says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Engine, text
+
+from ..codec import STEP_BLOCK_FIELDS, decode_block
+from .rollups import HIST_BW, HIST_LO, HIST_NB, THRESHOLD, WINDOW_STEPS
+
+__all__ = ["run_stragglers", "FALLBACK_STEPS"]
+
+FALLBACK_STEPS = 512
+_COMPONENTS = ("data", "compute", "other")
+
+
+def _ranks_hosts(c: Any, run_id: int) -> dict[int, tuple[str | None, str | None]]:
+    rows = c.execute(text("SELECT rank, host, node FROM ranks WHERE run_id = :id"), {"id": run_id}).fetchall()
+    return {int(r): (h, n or h) for r, h, n in rows}
+
+
+def _step_stats(c: Any, run_id: int) -> dict[str, Any]:
+    row = c.execute(
+        text(
+            "SELECT count(*), sum(work_s_max - work_s), sum(step_s), "
+            "percentile_cont(0.5) WITHIN GROUP (ORDER BY work_s_max / nullif(work_s, 0)), "
+            "percentile_cont(0.95) WITHIN GROUP (ORDER BY work_s_max / nullif(work_s, 0)), "
+            "max(work_s_max / nullif(work_s, 0)) FROM steps WHERE run_id = :id AND n_ranks > 0"
+        ),
+        {"id": run_id},
+    ).one()
+    n, lost, step_sum, p50, p95, mx = row
+    return {
+        "steps": int(n or 0),
+        "fleet_lost_s": float(lost) if lost is not None else None,
+        "fleet_lost_share": float(lost / step_sum) if lost is not None and step_sum else None,
+        "skew_p50": _f(p50),
+        "skew_p95": _f(p95),
+        "skew_max": _f(mx),
+    }
+
+
+def _f(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _from_rollups(c: Any, run_id: int) -> dict[str, Any] | None:
+    cols = ("rank", "steps", "above", "slowdown", "excess_s", "data_excess_s", "compute_excess_s", "other_excess_s",
+            "lost_s", "slowest_steps", "late_s", "late_n", "last_arrivals", "step_s", "data_s")
+    rows = c.execute(
+        text(f"SELECT {', '.join(cols)} FROM rank_rollups WHERE run_id = :id AND steps > 0 ORDER BY rank"),
+        {"id": run_id},
+    ).fetchall()
+    if not rows:
+        return None
+    # one row per rank, scalars only: the median ratio was taken from the histogram at fold time
+    mat = np.array([[np.nan if v is None else v for v in r] for r in rows], dtype=np.float64)
+    arr = {k: mat[:, i] for i, k in enumerate(cols)}
+    min_steps = min(10, WINDOW_STEPS)
+    wins = c.execute(
+        text(
+            "SELECT rank, win, steps, above, ratio_sum FROM rank_windows WHERE run_id = :id AND steps >= :m "
+            "AND above * 2 > steps ORDER BY rank, win"
+        ),
+        {"id": run_id, "m": min_steps},
+    ).fetchall()
+    n_wins = dict(
+        c.execute(
+            text("SELECT rank, count(*) FROM rank_windows WHERE run_id = :id AND steps >= :m GROUP BY rank"),
+            {"id": run_id, "m": min_steps},
+        ).fetchall()
+    )
+    flagged_w: dict[int, list[tuple[int, float]]] = {}
+    for rank, w, steps, _above, ratio_sum in wins:
+        flagged_w.setdefault(int(rank), []).append((int(w), float(ratio_sum) / max(int(steps), 1)))
+    return {"arr": arr, "flagged_windows": flagged_w, "n_windows": {int(k): int(v) for k, v in n_wins.items()},
+            "source": "rollups"}
+
+
+def _from_blocks(c: Any, run_id: int, world_size: int) -> dict[str, Any] | None:
+    """The same per-rank figures computed from the step blocks of the most recent steps."""
+    rows = c.execute(
+        text("SELECT step, block FROM steps WHERE run_id = :id AND n_ranks > 0 ORDER BY step DESC LIMIT :k"),
+        {"id": run_id, "k": FALLBACK_STEPS},
+    ).fetchall()
+    if not rows:
+        return None
+    rows = rows[::-1]
+    ws = max(world_size, 1)
+    for _, b in rows:
+        d = decode_block(STEP_BLOCK_FIELDS, b)
+        if len(d["rank"]):
+            ws = max(ws, int(d["rank"].max()) + 1)
+    k = len(rows)
+    mats = {f: np.full((k, ws), np.nan) for f in ("work", "data", "compute", "other", "step")}
+    steps = np.array([r[0] for r in rows])
+    for i, (_, b) in enumerate(rows):
+        d = decode_block(STEP_BLOCK_FIELDS, b)
+        rk = d["rank"]
+        mats["work"][i, rk] = d["step_s"] - np.nan_to_num(d["comm_exposed_s"])
+        mats["data"][i, rk] = d["data_s"]
+        mats["compute"][i, rk] = d["compute_s"]
+        mats["other"][i, rk] = d["other_s"]
+        mats["step"][i, rk] = d["step_s"]
+    with np.errstate(invalid="ignore", divide="ignore", all="ignore"):
+        med = np.nanmedian(mats["work"], axis=1, keepdims=True)
+        ratio = mats["work"] / med
+        present = np.isfinite(ratio)
+        arr: dict[str, np.ndarray] = {"rank": np.arange(ws, dtype=np.float64)}
+        arr["steps"] = present.sum(axis=0).astype(np.float64)
+        arr["above"] = (ratio > THRESHOLD).sum(axis=0).astype(np.float64)
+        arr["slowdown"] = np.nanmedian(np.where(present, ratio, np.nan), axis=0)
+        excess = mats["work"] - med
+        arr["excess_s"] = np.nansum(excess, axis=0)
+        for comp in _COMPONENTS:
+            m = np.nanmedian(mats[comp], axis=1, keepdims=True)
+            arr[f"{comp}_excess_s"] = np.nansum(mats[comp] - m, axis=0)
+        slow = np.nanargmax(np.where(present, mats["work"], -np.inf), axis=1)
+        lost = np.nanmax(np.where(present, excess, -np.inf), axis=1)
+        arr["lost_s"] = np.bincount(slow, weights=np.where(np.isfinite(lost), lost, 0), minlength=ws)
+        arr["slowest_steps"] = np.bincount(slow, minlength=ws).astype(np.float64)
+        arr["step_s"] = np.nansum(mats["step"], axis=0)
+        arr["data_s"] = np.nansum(mats["data"], axis=0)
+    arr["late_s"] = np.zeros(ws)
+    arr["late_n"] = np.zeros(ws)
+    arr["last_arrivals"] = np.zeros(ws)
+    keep = arr["steps"] > 0
+    arr = {kk: v[keep] for kk, v in arr.items()}
+    flagged_w: dict[int, list[tuple[int, float]]] = {}
+    n_windows: dict[int, int] = {}
+    win = steps // WINDOW_STEPS
+    for w in np.unique(win):
+        sel = win == w
+        if sel.sum() < min(10, WINDOW_STEPS):
+            continue
+        r = ratio[sel][:, keep]
+        cnt = np.isfinite(r).sum(axis=0)
+        above = (r > THRESHOLD).sum(axis=0)
+        mean_r = np.nanmean(np.minimum(r, 3.0), axis=0)
+        for j, rank in enumerate(arr["rank"].astype(int)):
+            if cnt[j] >= min(10, WINDOW_STEPS):
+                n_windows[int(rank)] = n_windows.get(int(rank), 0) + 1
+                if above[j] * 2 > cnt[j]:
+                    flagged_w.setdefault(int(rank), []).append((int(w), float(mean_r[j])))
+    return {"arr": arr, "flagged_windows": flagged_w, "n_windows": n_windows,
+            "source": f"blocks (last {k} steps)"}
+
+
+def _component(arr: dict[str, np.ndarray], j: int) -> tuple[str | None, dict[str, float]]:
+    ex = {comp: float(arr[f"{comp}_excess_s"][j]) for comp in _COMPONENTS}
+    pos = {k: v for k, v in ex.items() if v > 0}
+    if not pos:
+        return None, ex
+    return max(pos, key=lambda k: pos[k]), ex
+
+
+def _per_step(c: Any, run_id: int, max_points: int) -> dict[str, Any]:
+    """Slowest rank and skew per step, reduced to ≤ max_points buckets keeping each bucket's worst step."""
+    rows = c.execute(
+        text("SELECT step, slowest_rank, work_s_max / nullif(work_s, 0) FROM steps WHERE run_id = :id AND n_ranks > 0 "
+             "ORDER BY step"),
+        {"id": run_id},
+    ).fetchall()
+    if not rows:
+        return {"step": [], "slowest_rank": [], "skew": [], "bucket_steps": 1}
+    step = np.array([r[0] for r in rows])
+    rank = np.array([-1 if r[1] is None else r[1] for r in rows])
+    skew = np.array([np.nan if r[2] is None else float(r[2]) for r in rows])
+    k = max(1, -(-len(rows) // max_points))
+    if k > 1:
+        m = -(-len(rows) // k)
+        pad = m * k - len(rows)
+        sk = np.r_[np.nan_to_num(skew, nan=-1.0), np.full(pad, -np.inf)].reshape(m, k)
+        pick = np.arange(m) * k + np.argmax(sk, axis=1)
+        pick = pick[pick < len(rows)]
+        step, rank, skew = step[pick], rank[pick], skew[pick]
+    return {"step": step.tolist(), "slowest_rank": [int(r) if r >= 0 else None for r in rank],
+            "skew": [None if not np.isfinite(v) else float(v) for v in skew], "bucket_steps": k}
+
+
+def run_stragglers(engine: Engine, run_id: int, *, threshold: float = THRESHOLD, per_step: bool = False,
+                   max_points: int = 1000) -> dict[str, Any] | None:
+    """The straggler report of a run (None if the run does not exist); see the module docstring.
+
+    ``per_step=True`` adds ``per_step``: the slowest rank and skew of each step (the worst step of
+    each bucket when there are more than ``max_points`` steps)."""
+    with engine.connect() as c:
+        run = c.execute(text("SELECT world_size FROM runs WHERE id = :id"), {"id": run_id}).fetchone()
+        if run is None:
+            return None
+        world_size = int(run[0] or 1)
+        hosts = _ranks_hosts(c, run_id)
+        base = _step_stats(c, run_id)
+        data = _from_rollups(c, run_id) or _from_blocks(c, run_id, world_size)
+        steps_view = _per_step(c, run_id, max_points) if per_step else None
+    out: dict[str, Any] = {"run_id": run_id, "threshold": threshold, "window_steps": WINDOW_STEPS, **base,
+                           "source": None, "stragglers": [], "nodes": [], "late_ranks": []}
+    if steps_view is not None:
+        out["per_step"] = steps_view
+    if data is None:
+        return out
+    out["source"] = data["source"]
+    arr = data["arr"]
+    ranks = arr["rank"].astype(int)
+    steps = arr["steps"]
+    slowdown = arr["slowdown"]
+    if threshold == THRESHOLD:
+        persistent = arr["above"] * 2 > steps  # exact: the median is above the threshold
+    else:
+        persistent = np.nan_to_num(slowdown) > threshold
+    n_lost_gpus = max(world_size - 1, 1)
+    items: list[dict[str, Any]] = []
+    for j in range(len(ranks)):
+        rank = int(ranks[j])
+        wins = data["flagged_windows"].get(rank, []) if threshold == THRESHOLD else []
+        if not persistent[j] and not wins:
+            continue
+        comp, ex = _component(arr, j)
+        host, node = hosts.get(rank, (None, None))
+        late_n = arr["late_n"][j]
+        item = {
+            "rank": rank,
+            "host": host,
+            "node": node,
+            "slowdown": round(float(slowdown[j]), 4) if np.isfinite(slowdown[j]) else None,
+            "kind": "persistent" if persistent[j] else "transient",
+            "steps": int(steps[j]),
+            "steps_above": int(arr["above"][j]),
+            "windows_flagged": len(wins),
+            "windows": int(data["n_windows"].get(rank, 0)),
+            "first_window_step": (min(w for w, _ in wins) * WINDOW_STEPS) if wins else None,
+            "peak_window_slowdown": round(max(r for _, r in wins), 4) if wins else None,
+            "component": comp,
+            "component_excess_s": {k: round(v, 6) for k, v in ex.items()},
+            "lost_s": float(arr["lost_s"][j]),
+            "lost_gpu_s": float(arr["lost_s"][j]) * n_lost_gpus,
+            "slowest_steps": int(arr["slowest_steps"][j]),
+            "lateness_s": float(arr["late_s"][j] / late_n) if late_n > 0 else None,
+            "last_arrivals": int(arr["last_arrivals"][j]),
+            "node_flagged": False,
+        }
+        items.append(item)
+    # nodes: name a node when all of its (≥ 2) ranks are stragglers
+    by_node: dict[str, list[int]] = {}
+    for rank, (_h, node) in hosts.items():
+        if node:
+            by_node.setdefault(node, []).append(rank)
+    flagged = {it["rank"] for it in items if it["kind"] == "persistent"}
+    sd = {int(r): float(s) for r, s in zip(ranks, slowdown, strict=True) if np.isfinite(s)}
+    for node, rks in sorted(by_node.items()):
+        hit = [r for r in rks if r in flagged]
+        if len(rks) >= 2 and len(hit) == len(rks):
+            out["nodes"].append({"node": node, "host": hosts[rks[0]][0], "ranks": sorted(rks), "flagged_ranks": len(hit),
+                                 "slowdown": float(np.median([sd[r] for r in rks if r in sd]))})
+            for it in items:
+                if it["node"] == node:
+                    it["node_flagged"] = True
+    items.sort(key=lambda it: (it["kind"] != "persistent", -(it["slowdown"] or 0), -(it["peak_window_slowdown"] or 0)))
+    out["stragglers"] = items
+    out["nodes"].sort(key=lambda x: -x["slowdown"])
+    # late arrivals at collectives (where start timestamps exist): mean lateness well above the others'
+    late = np.where(arr["late_n"] > 0, arr["late_s"] / np.maximum(arr["late_n"], 1), np.nan)
+    if np.isfinite(late).sum() >= 2:
+        med_late = float(np.nanmedian(late))
+        step_med = float(np.sum(arr["step_s"]) / max(np.sum(steps), 1))
+        bar = med_late + max(0.05 * step_med, 1e-4)
+        for jj in np.flatnonzero(np.nan_to_num(late, nan=-1) > bar):
+            j = int(jj)
+            rank = int(ranks[j])
+            out["late_ranks"].append({"rank": rank, "host": hosts.get(rank, (None, None))[0],
+                                      "lateness_s": float(late[j]), "last_arrivals": int(arr["last_arrivals"][j])})
+        out["late_ranks"].sort(key=lambda x: -x["lateness_s"])
+    out["hist_bins"] = {"lo": HIST_LO, "width": HIST_BW, "n": HIST_NB}
+    return out
+
+
+def summary_stragglers(report: dict[str, Any] | None, limit: int = 20) -> list[dict[str, Any]]:
+    """The ``stragglers`` list of the run summary: rank, host, slowdown and the cause, worst first."""
+    if not report:
+        return []
+    out = []
+    for it in report["stragglers"][:limit]:
+        out.append({k: it[k] for k in ("rank", "host", "node", "slowdown", "kind", "component", "lost_s",
+                                        "lateness_s", "node_flagged", "windows_flagged")})
+        if out[-1]["slowdown"] is None:
+            out[-1]["slowdown"] = 0.0
+    return out

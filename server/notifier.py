@@ -1,0 +1,229 @@
+"""Alert delivery: Slack (incoming webhook, Block Kit) and a generic JSON webhook.
+
+Deliveries go through a bounded queue to one daemon thread, with capped exponential backoff and
+jitter on connection errors, 429 and 5xx (honouring Retry-After). Nothing here can block or fail
+the caller: a full queue drops the message and counts it; a dead receiver costs retries, then a
+log line and a counter.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+from typing import Any
+
+__all__ = ["Notifier", "slack_message", "webhook_payload", "format_value"]
+
+log = logging.getLogger(__name__)
+
+_KIND_TITLE = {
+    "run_series": "Run regression",
+    "benchmark": "Benchmark regression",
+    "step_time_shift": "Step time shift within a run",
+    "straggler": "Straggler",
+}
+_METRIC_NAME = {
+    "tokens_per_s_per_gpu": "tokens/s per GPU",
+    "step_s": "step time",
+    "mfu": "MFU",
+    "straggler_slowdown": "slowest rank's work vs the median rank",
+}
+
+
+def format_value(v: float | None, unit: str) -> str:
+    """A value with its unit, human-sized (ms for sub-second times, % for MFU)."""
+    if v is None:
+        return "n/a"
+    if unit == "s":
+        return f"{v * 1e3:.1f} ms" if abs(v) < 1 else f"{v:.3f} s"
+    if unit == "":
+        return f"{100 * v:.1f}%"
+    if unit == "x":
+        return f"{v:.2f}x"
+    if abs(v) >= 1e4:
+        return f"{v:,.0f} {unit}"
+    return f"{v:.4g} {unit}"
+
+
+def _headline(alert: dict[str, Any], event: str) -> str:
+    details = alert.get("details") or {}
+    unit = details.get("unit", "")
+    metric = _METRIC_NAME.get(alert["metric"], alert["metric"])
+    change = alert.get("change")
+    ch = f"{100 * change:+.1f}%" if change is not None else ""
+    what = _KIND_TITLE.get(alert["kind"], alert["kind"])
+    state = "Resolved" if event == "resolved" else what
+    return f"{state}: {metric} {ch} ({format_value(alert.get('before'), unit)} → {format_value(alert.get('after'), unit)})"
+
+
+def _context(alert: dict[str, Any]) -> str:
+    d = alert.get("details") or {}
+    fb = alert.get("first_bad") or {}
+    parts = []
+    if alert["kind"] == "run_series":
+        parts.append(f"*Series:* {d.get('family')} · {d.get('world_size')}× {d.get('device_type') or 'device'} · "
+                     f"config `{d.get('config_signature')}`")
+        bad = f"run `{fb.get('run')}`" + (f" at commit `{fb['commit']}`" if fb.get("commit") else "")
+        if d.get("good_commit"):
+            bad += f" (last good commit `{d['good_commit']}`)"
+        parts.append(f"*First bad:* {bad}")
+    elif alert["kind"] == "benchmark":
+        params = ", ".join(f"{k}={v}" for k, v in (d.get("params") or {}).items())
+        parts.append(f"*Benchmark:* {alert['metric']} on {d.get('cluster')} ({params})")
+        parts.append(f"*First bad:* point {fb.get('index')} at {fb.get('ts')}"
+                     + (f", commit `{fb['commit']}`" if fb.get("commit") else ""))
+    elif alert["kind"] == "straggler":
+        where = f" on {fb['host']}" if fb.get("host") else ""
+        parts.append(f"*Run:* {alert.get('run_id')} — rank {fb.get('rank')}{where} is the slowest"
+                     + (f", late in {d['component']}" if d.get("component") else ""))
+        if d.get("node"):
+            parts.append(f"*Node:* {d['node']} — all {len(d.get('node_ranks') or [])} of its ranks straggle")
+        elif (d.get("stragglers") or 0) > 1:
+            parts.append(f"*Stragglers:* {d['stragglers']} ranks: {', '.join(map(str, d.get('ranks') or []))}")
+    else:
+        parts.append(f"*Run:* {alert.get('run_id')} — first slow step {fb.get('step')}")
+    return "\n".join(parts)
+
+
+def slack_message(alert: dict[str, Any], event: str) -> dict[str, Any]:
+    """``text`` (notification fallback) and Block Kit ``blocks`` for one alert event."""
+    head = _headline(alert, event)
+    emoji = ":white_check_mark:" if event == "resolved" else ":rotating_light:"
+    d = alert.get("details") or {}
+    unit = d.get("unit", "")
+    fields = [
+        {"type": "mrkdwn", "text": f"*Metric*\n{_METRIC_NAME.get(alert['metric'], alert['metric'])}"},
+        {"type": "mrkdwn", "text": f"*Before → after*\n{format_value(alert.get('before'), unit)} → "
+                                   f"{format_value(alert.get('after'), unit)}"},
+        {"type": "mrkdwn", "text": f"*Change*\n{100 * (alert.get('change') or 0):+.1f}%"},
+        {"type": "mrkdwn", "text": "*Significance*\n" + (f"p = {alert['significance']:.3g}"
+                                                           if alert.get("significance") is not None
+                                                           else "persistent over the run")},
+    ]
+    blocks: list[dict[str, Any]] = [
+        {"type": "header", "text": {"type": "plain_text", "text": f"{'Resolved' if event == 'resolved' else 'Regression'}"
+                                                                  f" · fleetscope", "emoji": True}},
+        {"type": "section", "text": {"type": "mrkdwn", "text": f"{emoji} *{head}*"}},
+        {"type": "section", "fields": fields},
+        {"type": "section", "text": {"type": "mrkdwn", "text": _context(alert)}},
+    ]
+    url = alert.get("url")
+    if url and url.startswith("http"):
+        blocks.append({"type": "actions", "elements": [
+            {"type": "button", "text": {"type": "plain_text", "text": "Open in fleetscope"}, "url": url},
+        ]})
+    blocks.append({"type": "context", "elements": [
+        {"type": "mrkdwn", "text": f"alert #{alert['id']} · {alert['kind']} · state {alert['state']}"
+                                   + (f" · <{url}|{url}>" if url else "")},
+    ]})
+    return {"text": f"{head} {url or ''}".strip(), "blocks": blocks}
+
+
+def webhook_payload(alert: dict[str, Any], event: str) -> dict[str, Any]:
+    """The generic webhook's JSON body: the event, a one-line summary and the alert as the API shows it."""
+    return {"event": event, "summary": _headline(alert, event), "alert": alert}
+
+
+class Notifier:
+    """Posts alert events to Slack and/or a generic webhook from a background thread."""
+
+    def __init__(self, *, slack_webhook_url: str | None = None, webhook_url: str | None = None,
+                 timeout_s: float = 5.0, retries: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
+                 queue_size: int = 1000) -> None:
+        self.slack_webhook_url = slack_webhook_url
+        self.webhook_url = webhook_url
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._q: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue(maxsize=queue_size)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.sent = 0
+        self.failed = 0
+        self.dropped = 0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.slack_webhook_url or self.webhook_url)
+
+    def notify(self, alert: dict[str, Any], event: str) -> None:
+        """Queue one alert event for delivery (never blocks, never raises)."""
+        if not self.enabled:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="fleetscope-notifier", daemon=True)
+            self._thread.start()
+        try:
+            self._q.put_nowait((event, alert))
+        except queue.Full:
+            self.dropped += 1
+            log.warning("alert notification queue full: dropped alert %s", alert.get("id"))
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            try:
+                self._q.put_nowait(None)
+            except queue.Full:
+                pass
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None or self._stop.is_set() and self._q.empty():
+                return
+            event, alert = item
+            if self.slack_webhook_url:
+                self._deliver("slack", self._post_slack, alert, event)
+            if self.webhook_url:
+                self._deliver("webhook", self._post_webhook, alert, event)
+
+    def _deliver(self, target: str, send: Any, alert: dict[str, Any], event: str) -> None:
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                status, retry_after = send(alert, event)
+            except Exception as e:  # noqa: BLE001 - connection errors and the like: retry
+                status, retry_after = None, None
+                err: Any = e
+            else:
+                err = f"HTTP {status}"
+            if status is not None and 200 <= status < 300:
+                self.sent += 1
+                return
+            retryable = status is None or status == 429 or status >= 500
+            if not retryable or attempt == self.retries or self._stop.is_set():
+                break
+            wait = min(self.max_backoff_s, retry_after if retry_after else delay * (1 + random.random()))
+            if self._stop.wait(wait):
+                break
+            delay = min(self.max_backoff_s, delay * 2)
+        self.failed += 1
+        log.warning("could not deliver alert %s to %s: %s", alert.get("id"), target, err)
+
+    def _post_slack(self, alert: dict[str, Any], event: str) -> tuple[int, float | None]:
+        from slack_sdk.webhook import WebhookClient
+
+        msg = slack_message(alert, event)
+        resp = WebhookClient(self.slack_webhook_url or "", timeout=int(max(1, self.timeout_s))).send(
+            text=msg["text"], blocks=msg["blocks"]
+        )
+        ra = resp.headers.get("Retry-After") if resp.headers else None
+        return resp.status_code, _float(ra)
+
+    def _post_webhook(self, alert: dict[str, Any], event: str) -> tuple[int, float | None]:
+        import httpx
+
+        r = httpx.post(self.webhook_url or "", json=webhook_payload(alert, event), timeout=self.timeout_s)
+        return r.status_code, _float(r.headers.get("Retry-After"))
+
+
+def _float(v: Any) -> float | None:
+    try:
+        return float(v[0] if isinstance(v, list) else v)
+    except (TypeError, ValueError, IndexError):
+        return None

@@ -1,0 +1,118 @@
+"""Kineto trace summaries of a run: attach (``fleetscope import-trace --server``) and read."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Path, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from .. import queries
+from ..deps import State
+from ..traces_store import SET_RANK, run_traces, save_traces
+from .runs import _require_token
+
+router = APIRouter(tags=["traces"])
+
+RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
+
+_MAX_DEPTH = 32
+_MAX_SUMMARY_CHARS = 4_000_000
+
+
+class TraceUpload(BaseModel):
+    """What ``fleetscope import-trace --json`` prints, plus the name of what was imported."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    ranks: dict[str, dict[str, Any]] = Field(
+        ...,
+        max_length=65_536,
+        description="per-rank summaries keyed by rank; each has a 'source' (file name)",
+    )
+    include_last_step: bool = False
+    files: list[dict[str, Any]] = Field(default_factory=list, max_length=65_536)
+    kernel_types: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
+    stragglers: dict[str, Any] = Field(default_factory=dict)
+    source: str | None = Field(
+        default=None, min_length=1, max_length=512, description="file or directory imported"
+    )
+
+
+class TracesStored(BaseModel):
+    run_id: int
+    stored: int
+
+
+def _check_json(v: Any, where: str, depth: int = 0) -> None:
+    """JSONB refuses NaN/inf and NUL characters: refuse them here with a 422 naming the field."""
+    if depth > _MAX_DEPTH:
+        raise HTTPException(status_code=422, detail=f"{where}: nested deeper than {_MAX_DEPTH} levels")
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise HTTPException(status_code=422, detail=f"{where}: non-finite number")
+    elif isinstance(v, str):
+        if "\x00" in v:
+            raise HTTPException(status_code=422, detail=f"{where}: NUL character in a string")
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            if "\x00" in k:
+                raise HTTPException(status_code=422, detail=f"{where}: NUL character in a key")
+            _check_json(x, f"{where}.{k}", depth + 1)
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            _check_json(x, f"{where}[{i}]", depth + 1)
+
+
+def _rows(body: TraceUpload) -> list[tuple[int, str, dict[str, Any]]]:
+    import json
+
+    rows: list[tuple[int, str, dict[str, Any]]] = []
+    for key, summary in body.ranks.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) > 2**31 - 1:
+            raise HTTPException(
+                status_code=422, detail=f"ranks.{key[:40]}: a rank must be an integer in [0, 2^31)"
+            )
+        source = summary.get("source")
+        if not isinstance(source, str) or not 1 <= len(source) <= 512:
+            raise HTTPException(
+                status_code=422, detail=f"ranks.{key}.source: expected the trace file name (1-512 chars)"
+            )
+        _check_json(summary, f"ranks.{key}")
+        if len(json.dumps(summary)) > _MAX_SUMMARY_CHARS:
+            raise HTTPException(
+                status_code=422, detail=f"ranks.{key}: summary larger than {_MAX_SUMMARY_CHARS} characters"
+            )
+        rows.append((int(key), source, summary))
+    set_summary = {
+        "include_last_step": body.include_last_step,
+        "files": body.files,
+        "kernel_types": body.kernel_types,
+        "stragglers": body.stragglers,
+    }
+    _check_json(set_summary, "body")
+    if rows:
+        rows.append((SET_RANK, body.source or ",".join(sorted({s for _, s, _ in rows}))[:512], set_summary))
+    return rows
+
+
+@router.post(
+    "/runs/{run_id}/traces", response_model=TracesStored, summary="Attach reduced Kineto traces to a run"
+)
+def post_traces(run_id: RunId, body: TraceUpload, request: Request, st: State) -> Any:
+    _require_token(request, st)
+    if queries.get_run(st.engine, run_id) is None:
+        raise HTTPException(status_code=404, detail=f"run {run_id} not found")
+    rows = _rows(body)
+    stored = save_traces(st.engine, run_id=run_id, rows=rows)
+    return {"run_id": run_id, "stored": stored}
+
+
+@router.get(
+    "/runs/{run_id}/traces", summary="The run's trace summaries (per rank; rank -1: cross-rank figures)"
+)
+def get_traces(run_id: RunId, st: State) -> dict[str, Any]:
+    if queries.get_run(st.engine, run_id) is None:
+        raise HTTPException(status_code=404, detail=f"run {run_id} not found")
+    return {"run_id": run_id, "traces": run_traces(st.engine, run_id)}

@@ -1,0 +1,64 @@
+"""Reduced Kineto traces attached to a run (issue #7): the ``trace_summaries`` table.
+
+One row per (run, rank, source file) holds that rank's summary (``fleetscope.traces``: temporal
+breakdown, overlap, idle breakdown, kernel types, top kernels, per-step decomposition). The row with
+``rank = -1`` holds what spans the ranks of one import (kernel-type totals, late-start stragglers).
+Re-importing the same file replaces its row (upsert on the primary key).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy import Engine, text
+
+__all__ = ["save_traces", "run_traces", "SET_RANK"]
+
+SET_RANK = -1  # the row of cross-rank figures of one import
+
+
+def save_traces(engine: Engine, *, run_id: int, rows: list[tuple[int, str, dict[str, Any]]]) -> int:
+    """Upsert ``(rank, source, summary)`` rows of one run in one transaction; returns how many."""
+    if not rows:
+        return 0
+    params = [
+        {"run": run_id, "rank": rank, "source": source, "summary": json.dumps(summary, allow_nan=False)}
+        for rank, source, summary in rows
+    ]
+    with engine.begin() as c:
+        c.execute(
+            text(
+                "INSERT INTO trace_summaries (run_id, rank, source, summary) "
+                "VALUES (:run, :rank, :source, CAST(:summary AS JSONB)) "
+                "ON CONFLICT (run_id, rank, source) DO UPDATE SET summary = EXCLUDED.summary, created_at = now()"
+            ),
+            params,
+        )
+    return len(rows)
+
+
+def run_traces(engine: Engine, run_id: int) -> list[dict[str, Any]]:
+    """The run's trace summaries, ranks ascending (the cross-rank row, ``rank = -1``, first).
+
+    Each item: ``{"rank", "source", "created_at", "summary"}``. A rank's summary carries
+    ``kernel_time_us``, ``idle_pct``, ``compute_pct``, ``non_compute_pct``, ``comm_overlap_pct``,
+    ``idle_breakdown``, ``kernel_types``, ``top_kernels`` and ``steps`` (see docs/traces.md).
+    """
+    with engine.connect() as c:
+        rows = c.execute(
+            text(
+                "SELECT rank, source, created_at, summary FROM trace_summaries "
+                "WHERE run_id = :run ORDER BY rank, source"
+            ),
+            {"run": run_id},
+        ).fetchall()
+    return [
+        {
+            "rank": r.rank,
+            "source": r.source,
+            "created_at": r.created_at.isoformat() if r.created_at is not None else None,
+            "summary": r.summary,
+        }
+        for r in rows
+    ]

@@ -1,0 +1,81 @@
+"""Headless Debian chromium for the dashboard tests (selenium + chromedriver)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from typing import Any
+
+FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
+         "--window-size=1440,900")
+
+#: per graph id: number of traces Plotly drew (-1: no graph element, or not drawn yet)
+_TRACES_JS = """
+return arguments[0].map(function (id) {
+    var el = document.getElementById(id);
+    if (!el) return -1;
+    var gd = el.classList.contains('js-plotly-plot') ? el : el.querySelector('.js-plotly-plot');
+    if (!gd || !gd._fullLayout || !gd.querySelector('.main-svg')) return -1;
+    return (gd.data || []).length;
+});
+"""
+
+
+def find_chromium() -> tuple[str | None, str | None]:
+    browser = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
+    return browser, shutil.which("chromedriver")
+
+
+def start_browser() -> Any:
+    """A headless chromium with a fresh profile; raises RuntimeError naming what is missing."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    binary, driver = find_chromium()
+    if not binary or not driver:
+        raise RuntimeError(
+            "the dashboard browser tests need headless chromium and chromedriver on PATH "
+            f"(found chromium={binary}, chromedriver={driver}); install them, e.g. "
+            "`apt-get install chromium chromium-driver`"
+        )
+    opts = Options()
+    for f in FLAGS:
+        opts.add_argument(f)
+    opts.add_argument(f"--user-data-dir={tempfile.mkdtemp(prefix='fs-chromium-')}")
+    opts.binary_location = binary
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    d = webdriver.Chrome(service=Service(driver), options=opts)
+    d.set_page_load_timeout(60)
+    return d
+
+
+def wait_for_charts(driver: Any, ids: list[str], *, timeout: float = 45.0, min_traces: int = 1) -> list[int]:
+    """Wait until every graph in ``ids`` is drawn with at least ``min_traces`` traces; returns the counts."""
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = driver.execute_script(_TRACES_JS, ids)
+        if all(c >= min_traces for c in counts):
+            return counts
+        if time.monotonic() > deadline:
+            raise AssertionError(f"charts not drawn within {timeout:.0f}s: {dict(zip(ids, counts, strict=True))}")
+        time.sleep(0.05)
+
+
+def wait_for(driver: Any, js: str, *, timeout: float = 30.0, what: str = "condition") -> Any:
+    """Poll a JS expression until it is truthy; returns its value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = driver.execute_script("return " + js)
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}: {js}")
+        time.sleep(0.05)
+
+
+def severe_logs(driver: Any) -> list[str]:
+    """Browser-console entries of level SEVERE since the last call."""
+    return [e["message"] for e in driver.get_log("browser") if e.get("level") == "SEVERE"]

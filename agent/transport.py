@@ -174,6 +174,7 @@ class Transport:
         self._handoff = threading.Lock()
         self._inflight: list[tuple[str, Any]] | None = None
         self._hard_deadline: float | None = None
+        self._auth_refused = False  # a 401/403 was seen: sending again with this token is pointless
         self._taken = 0
         self._sent = 0
         self._replayed = 0
@@ -376,6 +377,10 @@ class Transport:
                 and (not self._down or time.monotonic() >= self._probe_at)
             ):
                 self._replay()  # while the server is down, the first frame doubles as the probe
+            elif final and self._client is not None and self._hard_deadline is not None and not self._auth_refused:
+                # the server is reachable at exit: use what is left of the exit budget to replay what an
+                # outage spooled, so a job that outlived the outage leaves nothing behind
+                self._replay(deadline=self._hard_deadline)
         except Exception:
             self._internal_error("sender")
 
@@ -478,6 +483,8 @@ class Transport:
             max_attempts=1 if (self._down or final) else None,
         )
         self._account(res, replay=False)
+        if res.reason == "unauthorized":
+            self._auth_refused = True
         if res.unsent:
             self._mark_down()
             if self._still_mine(owner):
@@ -540,8 +547,9 @@ class Transport:
                 self.spool.max_bytes,
             )
 
-    def _replay(self) -> None:
-        """Resend spooled frames, oldest first; a segment is deleted once all its frames were accepted."""
+    def _replay(self, deadline: float | None = None) -> None:
+        """Resend spooled frames, oldest first; a segment is deleted once all its frames were accepted.
+        With ``deadline`` (the final flush at exit) it runs after shutdown began, until the deadline."""
         client = self._client
         if client is None:
             return
@@ -568,8 +576,11 @@ class Transport:
                     path,
                 )
             for i in range(start, len(seg.frames)):
-                if self._stop.is_set() or len(self._queue) >= self._batch_max:
-                    return  # live data first; resume at this frame next time
+                if deadline is None:
+                    if self._stop.is_set() or len(self._queue) >= self._batch_max:
+                        return  # live data first; resume at this frame next time
+                elif time.monotonic() >= deadline:
+                    return  # out of exit budget: the rest stays spooled for `fleetscope upload`
                 self._replay_pos[path] = i
                 frame = seg.frames[i]
                 try:
@@ -582,8 +593,8 @@ class Transport:
                     payload["run_info"],
                     payload,
                     frame.records,
-                    deadline=time.monotonic() + self.config.retry_deadline_s,
-                    max_attempts=1 if self._down else None,
+                    deadline=time.monotonic() + self.config.retry_deadline_s if deadline is None else deadline,
+                    max_attempts=1 if (self._down or deadline is not None) else None,
                 )
                 self._account(res, replay=True)
                 if res.unsent:

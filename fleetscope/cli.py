@@ -30,7 +30,7 @@ def _setup_logging(verbose: bool = False) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    for noisy in ("pgserver", "alembic.runtime.plugins"):
+    for noisy in ("pgserver", "alembic.runtime.plugins", "httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

@@ -111,7 +111,7 @@ def run_demo(settings: Settings, *, with_job: bool = True, small: bool = False, 
             os.kill(os.getpid(), signal.SIGINT)
 
     def on_shutdown() -> None:
-        job = state.get("job")
+        job = state.pop("job", None)
         if job is not None:
             job.stop()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 from fleetscope.settings import Settings
@@ -29,8 +30,6 @@ def run_server(settings: Settings, *, on_ready: Callable[[str, object], None] | 
         )
         server = uvicorn.Server(config)
         if on_ready is not None:
-            import threading
-
             base = f"http://{settings.host}:{settings.port}"
 
             def _wait_then_call() -> None:
@@ -45,19 +44,35 @@ def run_server(settings: Settings, *, on_ready: Callable[[str, object], None] | 
                         log.exception("startup task failed")
 
             threading.Thread(target=_wait_then_call, name="fleetscope-on-ready", daemon=True).start()
-        # uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown; turn that into a normal exit so
-        # the finally below stops embedded Postgres (no orphan postmaster)
-        def _exit(signum: int, frame: object) -> None:
-            raise SystemExit(0)
-
+        # uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown; with these no-op handlers that
+        # re-raise just returns, so the finally below stops embedded Postgres (no orphan postmaster)
         import signal
 
+        def _ignore(signum: int, frame: object) -> None:
+            log.debug("signal %s after shutdown", signum)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, _exit)
+            signal.signal(sig, _ignore)
+        stopper: list[threading.Thread] = []
+        if on_shutdown is not None:
+            # stop what the caller started (e.g. the demo's job) as soon as the first signal arrives,
+            # so its connections are gone by the time uvicorn drains them
+            orig_handle_exit = server.handle_exit
+
+            def handle_exit(sig: int, frame: object) -> None:
+                if not stopper:
+                    t = threading.Thread(target=on_shutdown, name="fleetscope-shutdown", daemon=True)
+                    stopper.append(t)
+                    t.start()
+                orig_handle_exit(sig, frame)
+
+            server.handle_exit = handle_exit  # type: ignore[method-assign]
         try:
             server.run()
         finally:
-            if on_shutdown is not None:
+            if stopper:
+                stopper[0].join(30)
+            elif on_shutdown is not None:
                 on_shutdown()
     finally:
         if pg is not None:

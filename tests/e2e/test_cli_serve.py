@@ -126,3 +126,33 @@ def test_demo_loads_a_fleet_through_the_api_and_reloading_never_duplicates(tmp_d
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
+
+
+def test_demo_streams_a_live_four_rank_job_and_stops_everything_on_ctrl_c(tmp_data_dir: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen([*FS, "demo", "--port", str(port), "--data-dir", str(tmp_data_dir), "--small"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc, timeout=120)
+        deadline = time.monotonic() + 240
+        live: dict = {}
+        while time.monotonic() < deadline:
+            runs = httpx.get(f"{url}/api/v1/runs", params={"limit": 5}).json()["runs"]
+            live = next((r for r in runs if r["name"].startswith("demo-live-")), {})
+            if live.get("rank_steps", 0) >= 8:
+                break
+            time.sleep(1)
+        assert live.get("world_size") == 4 and live["rank_steps"] >= 8, live
+        pm = _postmaster_pid(tmp_data_dir)
+        children = subprocess.run(["pgrep", "-f", "fleetscope.demo_train"], capture_output=True, text=True).stdout.split()
+        assert len(children) >= 4  # torchrun's 4 ranks
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(90) == 0
+        time.sleep(1)
+        left = subprocess.run(["pgrep", "-f", "fleetscope.demo_train"], capture_output=True, text=True).stdout.split()
+        assert not left, "demo left training processes running"
+        assert not _alive(pm), "demo left postgres running"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -19,7 +19,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SampledTracer"]
+__all__ = ["SampledTracer", "json_safe"]
+
+
+def json_safe(v: Any) -> Any:
+    """A copy with non-finite floats as None (the server refuses NaN/inf in event data)."""
+    if isinstance(v, float):
+        return v if v == v and v not in (float("inf"), float("-inf")) else None
+    if isinstance(v, dict):
+        return {str(k): json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [json_safe(x) for x in v]
+    return v
 
 log = logging.getLogger(__name__)
 

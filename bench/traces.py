@@ -9,7 +9,8 @@ Files: the largest shared trace (shared/data/kineto/hta_a100_vs_v100_pair/contro
 Each measurement runs in its own fresh process; "peak RSS" is that process's ``VmHWM`` (the
 interpreter, numpy and ijson included; ``ru_maxrss`` would also count the parent's RSS at fork).
 Times exclude imports on both sides (pandas/plotly for HTA, numpy/ijson for fleetscope); they are
-printed apart. fleetscope: ``reduce_traces(file)`` (parse + every figure).
+printed apart. Wall and CPU seconds are both reported: on a loaded shared machine the CPU-time ratio
+is the steadier one (both tools are single-threaded here). fleetscope: ``reduce_traces(file)`` (parse + every figure).
 HTA (a separate venv, never a project dependency: ``python -m venv /tmp/hta &&
 /tmp/hta/bin/pip install traceinsight``): ``TraceAnalysis(trace_dir)`` + ``get_temporal_breakdown``
 + ``get_comm_comp_overlap``. The HTA figures are compared with fleetscope's (parity line).
@@ -44,11 +45,11 @@ sys.path.insert(0, sys.argv[2])
 t_imp = time.perf_counter()
 from fleetscope.traces import reduce_traces
 import numpy, ijson  # the reducer loads them lazily; imported before the clock starts, as HTA's pandas is
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 r = reduce_traces(sys.argv[1])
-dt = time.perf_counter() - t0
+dt, cpu = time.perf_counter() - t0, time.process_time() - c0
 (s,) = r["ranks"].values()
-print(json.dumps({"s": dt, "import_s": t0 - t_imp, "rss_kib": _hwm(),
+print(json.dumps({"s": dt, "cpu_s": cpu, "import_s": t0 - t_imp, "rss_kib": _hwm(),
                   "figures": {k: s[k] for k in ("kernel_time_us", "idle_time_us", "compute_time_us",
                               "non_compute_time_us", "idle_pct", "compute_pct", "non_compute_pct", "comm_overlap_pct")}}))
 """
@@ -86,13 +87,13 @@ warnings.filterwarnings("ignore")
 logging.disable(logging.CRITICAL)
 t_imp = time.perf_counter()
 from hta.trace_analysis import TraceAnalysis
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 a = TraceAnalysis(trace_dir=sys.argv[1])
 tb = a.get_temporal_breakdown(visualize=False)
 ov = a.get_comm_comp_overlap(visualize=False)
-dt = time.perf_counter() - t0
+dt, cpu = time.perf_counter() - t0, time.process_time() - c0
 t = tb.iloc[0]
-print(json.dumps({"s": dt, "import_s": t0 - t_imp, "rss_kib": _hwm(), "figures": {
+print(json.dumps({"s": dt, "cpu_s": cpu, "import_s": t0 - t_imp, "rss_kib": _hwm(), "figures": {
     "kernel_time_us": float(t["kernel_time(us)"]), "idle_time_us": float(t["idle_time(us)"]),
     "compute_time_us": float(t["compute_time(us)"]), "non_compute_time_us": float(t["non_compute_time(us)"]),
     "idle_pct": float(t["idle_time_pctg"]), "compute_pct": float(t["compute_time_pctg"]),
@@ -217,6 +218,7 @@ def main() -> None:
                 if run_hta:
                     hta_runs.append(_child(args.hta_python, HTA_CHILD, str(d)))
             fs = min(fs_runs, key=lambda r: r["s"])
+            fs["cpu_s"] = min(r["cpu_s"] for r in fs_runs)
             fs["rss_kib"] = max(r["rss_kib"] for r in fs_runs)
             std = _child(py, STDLIB_CHILD, str(path))
             print(
@@ -228,12 +230,14 @@ def main() -> None:
             figures += [
                 (f"trace_json_mb_{label}", mb, "MB"),
                 (f"trace_reduce_s_{label}", fs["s"], "s"),
+                (f"trace_reduce_cpu_s_{label}", fs["cpu_s"], "s"),
                 (f"trace_peak_rss_mib_{label}", fs["rss_kib"] / 1024, "MiB"),
                 (f"trace_rss_growth_mib_{label}", (fs["rss_kib"] - base["rss_kib"]) / 1024, "MiB"),
                 (f"stdlib_json_load_s_{label}", std["s"], "s"),
             ]
             if run_hta:
                 hta = min(hta_runs, key=lambda r: r["s"])
+                hta["cpu_s"] = min(r["cpu_s"] for r in hta_runs)
                 hta["rss_kib"] = max(r["rss_kib"] for r in hta_runs)
                 same = all(
                     abs(fs["figures"][k] - hta["figures"][k]) <= (1.0 if k.endswith("_us") else 0.01)
@@ -247,6 +251,8 @@ def main() -> None:
                 )
                 figures += [
                     (f"hta_s_{label}", hta["s"], "s"),
+                    (f"hta_cpu_s_{label}", hta["cpu_s"], "s"),
+                    (f"speedup_vs_hta_cpu_time_{label}", hta["cpu_s"] / fs["cpu_s"], "x"),
                     (f"hta_peak_rss_mib_{label}", hta["rss_kib"] / 1024, "MiB"),
                     (f"speedup_vs_hta_{label}", hta["s"] / fs["s"], "x"),
                     (f"memory_ratio_hta_over_fleetscope_{label}", hta["rss_kib"] / fs["rss_kib"], "x"),

@@ -53,7 +53,15 @@ def run_traces(engine: Engine, run_id: int) -> list[dict[str, Any]]:
             ),
             {"run": run_id},
         ).fetchall()
-    return [
+        # the agent's sampled tracing sends its summaries as `trace_summary` events (agent/tracing.py)
+        sampled = c.execute(
+            text(
+                "SELECT rank, data FROM run_events WHERE run_id = :run AND kind = 'trace_summary' "
+                "ORDER BY rank, step"
+            ),
+            {"run": run_id},
+        ).fetchall()
+    out = [
         {
             "rank": r.rank,
             "source": r.source,
@@ -62,3 +70,10 @@ def run_traces(engine: Engine, run_id: int) -> list[dict[str, Any]]:
         }
         for r in rows
     ]
+    for rank, data in sampled:
+        summary = (data or {}).get("summary")
+        if isinstance(summary, dict):
+            out.append({"rank": rank, "source": summary.get("source") or "sampled", "created_at": None,
+                        "summary": summary})
+    out.sort(key=lambda d: (d["rank"], d["source"]))
+    return out

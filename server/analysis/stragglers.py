@@ -15,6 +15,8 @@ recent ``FALLBACK_STEPS`` steps, and the result says so.
 
 from __future__ import annotations
 
+import copy
+import threading
 from typing import Any
 
 import numpy as np
@@ -26,6 +28,9 @@ from .rollups import HIST_BW, HIST_LO, HIST_NB, THRESHOLD, WINDOW_STEPS
 __all__ = ["run_stragglers", "FALLBACK_STEPS"]
 
 FALLBACK_STEPS = 512
+_CACHE_RUNS = 64
+_cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], dict[str, Any]]] = {}
+_cache_lock = threading.Lock()
 _COMPONENTS = ("data", "compute", "other")
 
 
@@ -200,9 +205,17 @@ def run_stragglers(engine: Engine, run_id: int, *, threshold: float = THRESHOLD,
     ``per_step=True`` adds ``per_step``: the slowest rank and skew of each step (the worst step of
     each bucket when there are more than ``max_points`` steps)."""
     with engine.connect() as c:
-        run = c.execute(text("SELECT world_size FROM runs WHERE id = :id"), {"id": run_id}).fetchone()
+        run = c.execute(text("SELECT world_size, rank_steps, collective_records, status FROM runs WHERE id = :id"),
+                        {"id": run_id}).fetchone()
         if run is None:
             return None
+        # the report changes only when compaction folds new rows into the run: cache it per stamp
+        key = (engine.url.render_as_string(hide_password=True), run_id, threshold, per_step, max_points)
+        stamp = (run[1], run[2], run[3])
+        with _cache_lock:
+            cached = _cache.get(key)
+        if cached is not None and cached[0] == stamp:
+            return copy.deepcopy(cached[1])
         world_size = int(run[0] or 1)
         hosts = _ranks_hosts(c, run_id)
         base = _step_stats(c, run_id)
@@ -263,9 +276,10 @@ def run_stragglers(engine: Engine, run_id: int, *, threshold: float = THRESHOLD,
     flagged = {it["rank"] for it in items if it["kind"] == "persistent"}
     sd = {int(r): float(s) for r, s in zip(ranks, slowdown, strict=True) if np.isfinite(s)}
     for node, rks in sorted(by_node.items()):
-        hit = [r for r in rks if r in flagged]
-        if len(rks) >= 2 and len(hit) == len(rks):
-            out["nodes"].append({"node": node, "host": hosts[rks[0]][0], "ranks": sorted(rks), "flagged_ranks": len(hit),
+        slow_ranks = [r for r in rks if r in flagged]
+        if len(rks) >= 2 and len(slow_ranks) == len(rks):
+            out["nodes"].append({"node": node, "host": hosts[rks[0]][0], "ranks": sorted(rks),
+                                 "flagged_ranks": len(slow_ranks),
                                  "slowdown": float(np.median([sd[r] for r in rks if r in sd]))})
             for it in items:
                 if it["node"] == node:
@@ -286,6 +300,10 @@ def run_stragglers(engine: Engine, run_id: int, *, threshold: float = THRESHOLD,
                                       "lateness_s": float(late[j]), "last_arrivals": int(arr["last_arrivals"][j])})
         out["late_ranks"].sort(key=lambda x: -x["lateness_s"])
     out["hist_bins"] = {"lo": HIST_LO, "width": HIST_BW, "n": HIST_NB}
+    with _cache_lock:
+        _cache[key] = (stamp, copy.deepcopy(out))
+        while len(_cache) > _CACHE_RUNS:
+            _cache.pop(next(iter(_cache)))
     return out
 
 

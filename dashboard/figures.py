@@ -30,7 +30,6 @@ __all__ = [
     "memory_figure",
     "throughput_figure",
     "modality_figure",
-    "bottleneck_figure",
     "scaling_throughput_figure",
     "scaling_efficiency_figure",
     "scaling_decomposition_figure",
@@ -177,11 +176,14 @@ def slowdown_figure(sd: dict[str, Any] | None, *, threshold: float = 1.05, top_n
     ranks = np.asarray(sd["rank"])
     nodes = sd["nodes"][:top_nodes] if sd.get("known_hosts", True) else []
     split = 0.64 if nodes else 1.0
-    hover = [f"rank {r} · {n}" for r, n in zip(ranks.tolist(), sd["node_of"], strict=True)]
-    data: list[dict[str, Any]] = [{
-        "type": "scatter", "x": _arr(ranks), "y": _f(slow), "mode": "markers", "name": "rank", "text": hover,
-        "marker": {"size": 5 if ranks.size < 2000 else 3, "color": np.where(slow > threshold, "#D55E00", "#0072B2").tolist()},
-        "hovertemplate": "%{text}: %{y:.3f}×<extra></extra>"}]
+    # two traces (below / above the threshold) instead of per-point colour and text lists: typed arrays only,
+    # so the payload and the browser's work stay flat in the number of ranks
+    flag = slow > threshold
+    size = 5 if ranks.size < 2000 else 3
+    data: list[dict[str, Any]] = [
+        {"type": "scatter", "x": _arr(ranks[sel]), "y": _f(slow[sel]), "mode": "markers", "name": name,
+         "marker": {"size": size, "color": color}, "hovertemplate": "rank %{x}: %{y:.3f}×<extra>" + name + "</extra>"}
+        for sel, name, color in ((~flag, "rank", "#0072B2"), (flag, "above threshold", "#D55E00")) if sel.any()]
     shapes = [{"type": "line", "xref": "x domain", "x0": 0, "x1": 1, "yref": "y", "y0": threshold, "y1": threshold,
                "line": {"color": "#D55E00", "width": 1, "dash": "dash"}}]
     ann = [{"text": f"straggler threshold {threshold:.2f}×", "xref": "x domain", "x": 1, "xanchor": "right", "yref": "y",
@@ -300,22 +302,6 @@ def modality_figure(mod: dict[str, Any] | None, packing: Any = None) -> Fig:
         "Tokens by modality and packing efficiency", height=260, note=" · ".join(notes) or None, barmode="stack", bargap=0.05,
         x=_axis(title="step"), y=_axis(title="tokens", rangemode="tozero"),
         yaxis2=_axis(title="packing efficiency (%)", range=[0, 100], overlaying="y", side="right", showgrid=False))}
-
-
-def bottleneck_figure(ranking: Sequence[dict[str, Any]]) -> Fig:
-    """Share of step time per component with its Amdahl ceiling (what to fix first on top)."""
-    if not ranking:
-        return empty_figure("No decomposition yet.", height=200)
-    items = list(ranking)[::-1]
-    bar = {"type": "bar", "x": [r["share"] * 100 for r in items], "y": [r["component"] for r in items], "orientation": "h",
-           "marker": {"color": [COMPONENT_COLORS.get(r.get("key", ""), "#56B4E9") for r in items]},
-           "text": [f"{r['share'] * 100:.0f} % · ≤ {r['max_speedup']:.2f}×" if r.get("max_speedup") else f"{r['share'] * 100:.0f} %"
-                    for r in items],
-           "textposition": "auto", "hovertemplate": "%{y}: %{x:.1f} % of the step<extra></extra>"}
-    return {"data": [bar], "layout": _layout(
-        "Bottlenecks (Amdahl ceiling)", height=max(180, 40 + 28 * len(items)), legend=False, hovermode="closest",
-        note="removing a component of share p speeds the step up by at most 1/(1−p)",
-        x=_axis(title="share of step time (%)", range=[0, 100]), y=_axis())}
 
 
 def _log2_axis(sizes: Sequence[int], **kw: Any) -> dict[str, Any]:
@@ -438,7 +424,7 @@ def alert_series_figure(ser: dict[str, Any] | None, alert: dict[str, Any]) -> Fi
     suffix = f" {unit}" if unit else ""
     labels = ser.get("labels")
     data: list[dict[str, Any]] = [{
-        "type": "scatter", "x": x, "y": (y * mult).tolist(), "mode": "lines+markers", "name": metric, "marker": {"size": 5},
+        "type": "scatter", "x": x, "y": _f(y, mult), "mode": "lines+markers", "name": metric, "marker": {"size": 5},
         "line": {"color": "#0072B2", "width": 1.2}, "text": labels,
         "hovertemplate": "%{y:.4g}" + suffix + ("<br>%{text}" if labels else "") + "<extra></extra>"}]
     ci = ser.get("change_index")
@@ -461,7 +447,7 @@ def alert_series_figure(ser: dict[str, Any] | None, alert: dict[str, Any]) -> Fi
     return {"data": data, "layout": _layout(
         metric, height=300, note=aggregation_note(ser.get("factor", 1)) or f"series: {ser.get('source', '')}",
         hovermode="closest", x=_axis(title=xt, **({"type": "date"} if timed else {})),
-        y=_axis(title=metric + (f" ({unit})" if unit else "")), shapes=shapes, annotations=ann)}
+        y=_axis(title=unit or metric), shapes=shapes, annotations=ann)}
 
 
 def _params_label(params: dict[str, Any] | None) -> str:

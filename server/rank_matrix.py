@@ -62,9 +62,14 @@ class RankMatrices:
         return w
 
 
-_cache: OrderedDict[tuple[int, int], RankMatrices] = OrderedDict()
+def _ekey(engine: Engine) -> tuple[int, str]:
+    """Cache key of a database: the engine object and its URL (a new database never reuses entries)."""
+    return id(engine), str(engine.url)
+
+
+_cache: OrderedDict[tuple[Any, int], RankMatrices] = OrderedDict()
 _lock = threading.Lock()
-_run_locks: dict[tuple[int, int], threading.Lock] = {}
+_run_locks: dict[tuple[Any, int], threading.Lock] = {}
 
 
 def clear_cache() -> None:
@@ -189,7 +194,7 @@ def _load_blocks(engine: Engine, run_id: int, world: int, after: int | None,
 
 def rank_matrices(engine: Engine, run_id: int) -> RankMatrices | None:
     """The run's per-rank matrices, from the cache when still current; None for an unknown run."""
-    key = (id(engine), run_id)
+    key = (_ekey(engine), run_id)
     with _lock:
         run_lock = _run_locks.setdefault(key, threading.Lock())
     with run_lock:

@@ -11,6 +11,7 @@ import datetime as dt
 import importlib
 import logging
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from .rank_matrix import rank_heatmap, rank_slowdown
 
 __all__ = [
     "COMPONENTS",
+    "cached",
     "amdahl_ranking",
     "run_summaries",
     "fleet_rows",
@@ -75,8 +77,44 @@ _RUN_COLS = (
     "git_commit, status, meta, started_at, finished_at, last_seen_at, rank_steps, collective_records, steps, last_step"
 )
 
-_summary_cache: dict[tuple[int, int], tuple[tuple[Any, ...], dict[str, Any]]] = {}
+_summary_cache: dict[tuple[Any, int], tuple[tuple[Any, ...], dict[str, Any]]] = {}
 _summary_lock = threading.Lock()
+
+
+def _ekey(engine: Engine) -> tuple[int, str]:
+    """Cache key of a database: the engine object and its URL (a new database never reuses entries)."""
+    return id(engine), str(engine.url)
+
+
+_page_cache: OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = OrderedDict()
+_PAGE_CACHE_ENTRIES = 256
+
+
+def _run_version(engine: Engine, run_id: int) -> tuple[Any, ...] | None:
+    with engine.connect() as c:
+        row = c.execute(
+            text("SELECT rank_steps, collective_records, steps, last_step, status FROM runs WHERE id = :id"), {"id": run_id}
+        ).fetchone()
+    return tuple(row) if row is not None else None
+
+
+def cached(name: str, engine: Engine, run_id: int, fn: Any) -> Any:
+    """``fn()`` for a run, reused until the run's counters or status change (a finished run's page data is
+    computed once per process). Bounded LRU; the check costs one primary-key read."""
+    version = _run_version(engine, run_id)
+    key = (_ekey(engine), run_id, name)
+    with _summary_lock:
+        hit = _page_cache.get(key)
+        if hit is not None and hit[0] == version:
+            _page_cache.move_to_end(key)
+            return hit[1]
+    value = fn()
+    with _summary_lock:
+        _page_cache[key] = (version, value)
+        _page_cache.move_to_end(key)
+        while len(_page_cache) > _PAGE_CACHE_ENTRIES:
+            _page_cache.popitem(last=False)
+    return value
 
 
 def amdahl_ranking(decomposition: dict[str, float | None], straggler_wait_s: float | None = None) -> list[dict[str, Any]]:
@@ -124,7 +162,7 @@ def run_summaries(engine: Engine, runs: list[dict[str, Any]]) -> dict[int, dict[
     sig = {r["id"]: (r.get("steps"), r.get("rank_steps"), r.get("last_step"), r.get("status")) for r in runs}
     with _summary_lock:
         for rid, s in sig.items():
-            hit = _summary_cache.get((id(engine), rid))
+            hit = _summary_cache.get((_ekey(engine), rid))
             if hit is not None and hit[0] == s:
                 out[rid] = hit[1]
             else:
@@ -149,7 +187,7 @@ def run_summaries(engine: Engine, runs: list[dict[str, Any]]) -> dict[int, dict[
         with _summary_lock:
             for rid in todo:
                 d = got.get(rid) or {"n_steps": 0, "decomposition": {}, "bottlenecks": []}
-                _summary_cache[(id(engine), rid)] = (sig[rid], d)
+                _summary_cache[(_ekey(engine), rid)] = (sig[rid], d)
                 out[rid] = d
     return out
 

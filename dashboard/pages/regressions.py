@@ -40,6 +40,10 @@ def _series_label(a: dict[str, Any]) -> Any:
     if a["kind"] == "benchmark":
         params = ", ".join(f"{k}={v}" for k, v in sorted((d.get("params") or {}).items()))
         return dcc.Link(f"{d.get('cluster', '?')} · {params}", href=f"/benchmarks?cluster={d.get('cluster', '')}")
+    if a["kind"] == "run_series" and d.get("family") is not None:
+        bad = (a.get("first_bad") or {}).get("run_id") or a["run_id"]
+        label = f"{d['family']} · {d.get('world_size', '?')} × {d.get('device_type') or '?'} (comparable runs)"
+        return dcc.Link(label, href=f"/runs/{bad}") if bad else label
     if a["run_id"]:
         return dcc.Link(a["run_name"] or f"run {a['run_id']}", href=f"/runs/{a['run_id']}")
     return "–"

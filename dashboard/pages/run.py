@@ -28,7 +28,7 @@ from ..components import (
     simple_table,
     status_badge,
 )
-from ..theme import fmt_bytes, fmt_num, fmt_pct, fmt_s, fmt_time
+from ..theme import COMPONENT_COLORS, fmt_bytes, fmt_num, fmt_pct, fmt_s, fmt_time
 
 dash.register_page(__name__, path_template="/runs/<run_id>", name="Run", title="fleetscope · run", order=1)
 
@@ -36,7 +36,6 @@ RUN = "run-id"
 URL = "run-url"
 KPIS = "run-kpis"
 BOTTLENECK_TEXT = "run-bottleneck-text"
-BOTTLENECK = "run-bottleneck"
 DECOMPOSITION = "run-decomposition"
 HEAT_FIELD = "run-heat-field"
 HEAT_AGG = "run-heat-agg"
@@ -51,7 +50,7 @@ MODALITY = "run-modality"
 EXTRAS = "run-extras"
 CONFIG = "run-config"
 
-GRAPHS = (BOTTLENECK, DECOMPOSITION, HEATMAP, STRAGGLERS, THROUGHPUT, MEMORY, COLLECTIVES, MODALITY)
+GRAPHS = (DECOMPOSITION, HEATMAP, STRAGGLERS, THROUGHPUT, MEMORY, COLLECTIVES, MODALITY)
 
 
 def _run_id(run_id: Any) -> int | None:
@@ -87,10 +86,7 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
         dcc.Store(id=RUN, data=rid), dcc.Store(id=URL),
         page_header(run["name"], sub, right),
         loading(kpi_strip([], kid=KPIS)),
-        html.Div([
-            section("What to fix first", loading(html.Div(id=BOTTLENECK_TEXT)), cls="fs-col-5"),
-            section(None, loading(graph(BOTTLENECK)), cls="fs-col-7"),
-        ], className="fs-row"),
+        section("What to fix first", loading(html.Div(id=BOTTLENECK_TEXT))),
         section(None, loading(graph(DECOMPOSITION))),
         section(None, loading(graph(HEATMAP)), right=html.Div([
             dcc.RadioItems(id=HEAT_FIELD, options=[{"label": "step time", "value": "step_s"},
@@ -128,38 +124,48 @@ def _findings(summary: dict[str, Any], ranking: list[dict[str, Any]]) -> list[st
 
 
 def _bottleneck_panel(summary: dict[str, Any], report: dict[str, Any]) -> html.Div:
+    """Components ranked by Amdahl ceiling as bars (plain HTML: no chart to initialise), with findings."""
     ranking = report["ranking"]
     if not ranking:
         return empty_state("No decomposition yet", "The report appears once steps with data/compute/comm timings arrive.")
     top = ranking[0]
-    items = []
+    rows = []
     for r in ranking[:5]:
-        ceiling = f"at most {r['max_speedup']:.2f}×" if r.get("max_speedup") else "unbounded"
-        items.append(html.Li([html.B(r["component"]), f" — {r['share'] * 100:.1f} % of step time; removing it: {ceiling}"]
-                             + [html.Div(f, className="fs-finding") for f in r.get("findings") or []]))
-    findings = report["findings"] or _findings(summary, ranking)
-    src = ("source: analysis layer — shares are sums over steps; straggler wait carved out of exposed comm"
-           if report["source"] == "analysis" else
-           "source: run summary — shares of the median step; straggler wait = median (max − median) rank work")
+        ceiling = f"≤ {r['max_speedup']:.2f}×" if r.get("max_speedup") else "unbounded"
+        rows.append(html.Div([
+            html.Div(r["component"], className="fs-bn-name"),
+            html.Div(html.Div(style={"width": f"{max(r['share'], 0.002) * 100:.1f}%",
+                                     "background": COMPONENT_COLORS.get(r.get("key", ""), "#56B4E9")}), className="fs-bn-track"),
+            html.Div(f"{r['share'] * 100:.1f} %", className="fs-bn-num"),
+            html.Div(ceiling, className="fs-bn-num", title="Amdahl ceiling: removing this component entirely"),
+            html.Div([html.Div(f, className="fs-finding") for f in r.get("findings") or []], className="fs-bn-findings"),
+        ], className="fs-bn-row"))
+    findings = [] if report["source"] == "analysis" else (report["findings"] or _findings(summary, ranking))
+    src = ("shares of step time summed over steps; straggler wait (waiting for the slowest rank) carved out of exposed "
+           "comm — analysis layer" if report["source"] == "analysis" else
+           "shares of the median step; straggler wait = median (max − median) rank work")
     return html.Div([
         html.Div([html.Span("Fix first: ", className="fs-muted"), html.B(top["component"]),
-                  f" (≤ {top['max_speedup']:.2f}× step speed-up)" if top.get("max_speedup") else ""], className="fs-fixfirst"),
-        html.Ol(items, className="fs-list"),
-        html.Div([html.Div("Findings", className="fs-kpi-label"), html.Ul([html.Li(f) for f in findings], className="fs-list")])
-        if findings and report["source"] != "analysis" else None,
+                  f" — at most {top['max_speedup']:.2f}× faster steps if it were gone" if top.get("max_speedup") else ""],
+                 className="fs-fixfirst"),
+        html.Div([html.Div("component", className="fs-bn-name fs-muted"), html.Div("share of step time", className="fs-muted"),
+                  html.Div("share", className="fs-bn-num fs-muted"), html.Div("ceiling", className="fs-bn-num fs-muted"),
+                  html.Div("findings", className="fs-muted")], className="fs-bn-row fs-bn-head"),
+        *rows,
+        html.Ul([html.Li(f) for f in findings], className="fs-list") if findings else None,
         html.Div(src, className="fs-footnote"),
     ], id="run-bottleneck-report")
 
 
 @callback(
-    Output(KPIS, "children"), Output(BOTTLENECK_TEXT, "children"), Output(BOTTLENECK, "figure"),
+    Output(KPIS, "children"), Output(BOTTLENECK_TEXT, "children"),
     Output(DECOMPOSITION, "figure"), Output(THROUGHPUT, "figure"), Output(MEMORY, "figure"), Output(MODALITY, "figure"),
     Input(RUN, "data"),
 )
 def _series(rid: int) -> tuple[Any, ...]:
     eng = _state.engine()
-    summary = queries.run_summary(eng, rid) or {}
-    series = views.run_series(eng, rid)
+    summary = views.cached("summary", eng, rid, lambda: queries.run_summary(eng, rid)) or {}
+    series = dict(views.cached("series", eng, rid, lambda: views.run_series(eng, rid)))
     series["mfu_estimated"] = summary.get("mfu_estimated")
     d = summary.get("decomposition") or {}
     report = views.bottleneck_report(eng, rid, summary) if summary else {"ranking": [], "findings": [], "source": "none"}
@@ -177,9 +183,10 @@ def _series(rid: int) -> tuple[Any, ...]:
         kpi("records", f"{fmt_num(summary.get('rank_steps'))} rank-steps",
             f"{summary.get('steps', 0):,} steps × {ws:,} ranks"),
     ]
-    return (kpis, _bottleneck_panel(summary, report), F.bottleneck_figure(report["ranking"]), F.decomposition_figure(series),
+    return (kpis, _bottleneck_panel(summary, report), F.decomposition_figure(series),
             F.throughput_figure(series), F.memory_figure(series),
-            F.modality_figure(views.modality_series(eng, rid), series.get("packing")))
+            F.modality_figure(views.cached("modalities", eng, rid, lambda: views.modality_series(eng, rid)),
+                              series.get("packing")))
 
 
 @callback(Output(HEATMAP, "figure"), Input(RUN, "data"), Input(HEAT_FIELD, "value"), Input(HEAT_AGG, "value"))
@@ -191,7 +198,7 @@ def _heatmap(rid: int, field: str, agg: str) -> Any:
 def _stragglers(rid: int) -> tuple[Any, Any]:
     eng = _state.engine()
     sd = views.rank_slowdown(eng, rid)
-    rep = views.analysis("stragglers", eng, run_id=rid)
+    rep = views.cached("stragglers", eng, rid, lambda: views.analysis("stragglers", eng, run_id=rid))
     if isinstance(rep, dict):
         items = rep.get("stragglers") or []
         nodes = rep.get("nodes") or []
@@ -221,7 +228,8 @@ def _stragglers(rid: int) -> tuple[Any, Any]:
 
 @callback(Output(COLLECTIVES, "figure"), Output(COLLECTIVE_TABLE, "children"), Input(RUN, "data"))
 def _collectives(rid: int) -> tuple[Any, Any]:
-    view = views.collectives_view(_state.engine(), rid)
+    eng = _state.engine()
+    view = views.cached("collectives", eng, rid, lambda: views.collectives_view(eng, rid))
     rows = view["rows"]
     if not rows:
         return F.collectives_figure(rows), empty_state(

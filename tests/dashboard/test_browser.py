@@ -20,7 +20,7 @@ from selenium.webdriver.common.by import By
 
 from fleetscope.synthetic import RunSpec
 
-RUN_CHARTS = ["run-bottleneck", "run-decomposition", "run-heatmap", "run-stragglers", "run-throughput", "run-memory",
+RUN_CHARTS = ["run-decomposition", "run-heatmap", "run-stragglers", "run-throughput", "run-memory",
               "run-collectives", "run-modality"]
 
 

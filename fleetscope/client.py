@@ -65,8 +65,11 @@ class Client:
     def register_run(self, info: dict[str, Any]) -> int:
         return int(self._check(self.http.post("/api/v1/runs", json=info))["id"])
 
-    def finish_run(self, run_id: int, status: str = "finished") -> None:
-        self._check(self.http.post(f"/api/v1/runs/{run_id}/finish", json={"status": status}))
+    def finish_run(self, run_id: int, status: str = "finished", finished_at: float | None = None) -> None:
+        body: dict[str, Any] = {"status": status}
+        if finished_at is not None:
+            body["finished_at"] = finished_at
+        self._check(self.http.post(f"/api/v1/runs/{run_id}/finish", json=body))
 
     def ingest(self, batch: dict[str, Any], *, fmt: str = "msgpack", retries: int = 20) -> dict[str, Any]:
         body, headers = encode_batch(batch, fmt=fmt)

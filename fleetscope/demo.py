@@ -68,7 +68,9 @@ def load_history(client: Any, specs: list[RunSpec], *, batch_rank_steps: int = 2
         buf: list[tuple] = []
         cbuf: list[tuple] = []
         first = True
+        end_ts = spec.start_ts
         for step, rows in rank_step_rows(spec):
+            end_ts = max(end_ts, max(r[3] + r[2] for r in rows))  # ts + step_s (wire field order)
             buf.extend(rows)
             cbuf.extend(collective_rows(spec, step, rows))
             if len(buf) >= batch_rank_steps or step == spec.steps - 1:
@@ -80,7 +82,7 @@ def load_history(client: Any, specs: list[RunSpec], *, batch_rank_steps: int = 2
                 client.ingest(batch)
                 sent += len(buf)
                 buf, cbuf = [], []
-        client.finish_run(run_id)
+        client.finish_run(run_id, finished_at=end_ts)  # history runs ended when their steps did
     return sent
 
 

@@ -43,6 +43,14 @@ class RunRegistration(BaseModel):
 class RunFinish(BaseModel):
     model_config = ConfigDict(extra="forbid")
     status: str = Field(default="finished", pattern="^(finished|failed|aborted)$")
+    finished_at: float | None = Field(default=None, description="unix time the run ended (default: now)")
+
+    @field_validator("finished_at")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be finite")
+        return v
 
 
 def config_signature(config: dict[str, Any]) -> str:
@@ -110,12 +118,14 @@ def register_run(engine: Engine, reg: RunRegistration) -> dict[str, Any]:
     return {"id": row.id, "name": row.name, "world_size": row.world_size, "created": bool(row.created)}
 
 
-def finish_run(engine: Engine, run_id: int, status: str = "finished") -> bool:
-    """Mark a run ended; returns False when there is no such run."""
+def finish_run(engine: Engine, run_id: int, status: str = "finished", finished_at: float | None = None) -> bool:
+    """Mark a run ended (at ``finished_at``, unix time, or now); False when there is no such run."""
     if status not in RUN_STATUSES[1:]:
         raise ValueError(f"status must be one of {RUN_STATUSES[1:]}, got {status!r}")
     with engine.begin() as c:
         r = c.execute(
-            text("UPDATE runs SET status = :s, finished_at = now() WHERE id = :id"), {"s": status, "id": run_id}
+            text("UPDATE runs SET status = :s, finished_at = coalesce(to_timestamp(CAST(:at AS float8)), now()) "
+                 "WHERE id = :id"),
+            {"s": status, "id": run_id, "at": finished_at},
         )
     return r.rowcount > 0

@@ -35,7 +35,7 @@ def post_run(reg: RunRegistration, request: Request, st: State) -> dict[str, Any
 @router.post("/runs/{run_id}/finish", summary="Mark a run finished/failed/aborted")
 def post_finish(run_id: RunId, body: RunFinish, request: Request, st: State) -> dict[str, Any]:
     _require_token(request, st)
-    if not finish_run(st.engine, run_id, body.status):
+    if not finish_run(st.engine, run_id, body.status, body.finished_at):
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
     return {"id": run_id, "status": body.status}
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-KINETO = Path(os.environ.get("FLEETSCOPE_KINETO_DIR", ROOT.parent / "shared" / "data" / "kineto"))
+KINETO = Path(os.environ.get("FLEETSCOPE_KINETO_DIR", ROOT / "tests" / "data" / "kineto"))
 LARGEST = KINETO / "hta_a100_vs_v100_pair" / "control_a100_rank3.json.gz"
 
 FLEETSCOPE_CHILD = r"""

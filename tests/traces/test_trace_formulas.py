@@ -190,7 +190,7 @@ def test_interval_helpers() -> None:
 
 def test_real_cpu_profiler_trace_end_to_end(tmp_path: Path) -> None:
     """A small CPU job profiled with torch.profiler (schedule: 1 warm-up + 3 active steps)."""
-    torch = pytest.importorskip("torch")
+    import torch
     torch.set_num_threads(1)
     from torch.profiler import ProfilerActivity, profile, schedule
 

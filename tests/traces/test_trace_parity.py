@@ -13,9 +13,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from trace_testutil import KINETO, MODES, SETS, expected_rows, needs_data, reduced, row_id  # noqa: E402
+from trace_testutil import KINETO, MODES, SETS, expected_rows, reduced, row_id  # noqa: E402
 
-pytestmark = needs_data
+
+@pytest.fixture(autouse=True)
+def _traces_present() -> None:
+    assert KINETO.is_dir(), f"Kineto traces not found at {KINETO} (FLEETSCOPE_KINETO_DIR)"
 
 PP = 0.01 + 1e-9  # percentage points
 US = 1.0 + 1e-9  # microseconds

@@ -8,15 +8,21 @@ import os
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
-KINETO = Path(os.environ.get("FLEETSCOPE_KINETO_DIR", ROOT.parent / "shared" / "data" / "kineto"))
+KINETO = Path(os.environ.get("FLEETSCOPE_KINETO_DIR", ROOT / "tests" / "data" / "kineto"))
 EXPECTED = json.loads((Path(__file__).with_name("hta_expected.json")).read_text())
 SETS = ("hta_sampled_2rank", "hta_nccl_2rank_r0_a100", "hta_a100_vs_v100_pair")
 MODES = ("default", "last")
 
-needs_data = pytest.mark.skipif(not KINETO.is_dir(), reason=f"shared Kineto traces not found at {KINETO}")
+def needs_data(fn):  # type: ignore[no-untyped-def]
+    """The shared traces are part of the repository (tests/data/kineto): their absence is a failure."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        assert KINETO.is_dir(), f"Kineto traces not found at {KINETO} (FLEETSCOPE_KINETO_DIR)"
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 @functools.cache

@@ -139,6 +139,19 @@ def _contribution(S: dict[str, np.ndarray], gid: np.ndarray, n_groups: int, sel:
 
 def _unique_rows(*cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """np.unique(stack(cols), axis=0, return_inverse=True) for non-negative ints, via one int64 key."""
+    if len(cols[0]):
+        bases = [int(c.max()) + 1 for c in cols]
+        if float(np.prod([float(b) for b in bases])) < 2.0**62:  # mixed-radix key directly: one sort
+            key = np.zeros(len(cols[0]), dtype=np.int64)
+            for c, b in zip(cols, bases, strict=True):
+                key = key * b + c.astype(np.int64)
+            uk, inv = np.unique(key, return_inverse=True)
+            rows = np.empty((len(uk), len(cols)), dtype=np.int64)
+            rem = uk.copy()
+            for j in range(len(cols) - 1, -1, -1):
+                rows[:, j] = rem % bases[j]
+                rem //= bases[j]
+            return rows, inv.reshape(-1)
     dense = []
     for c in cols:
         u, i = np.unique(c, return_inverse=True)

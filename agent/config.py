@@ -52,6 +52,11 @@ class AgentConfig:
     """Above this many collective calls in one step, aggregate per (op, group, size bucket)."""
     collectives: bool = True
     """Record torch.distributed collectives (wraps its functions once init ran)."""
+    trace_every_steps: int = 0
+    """Sampled tracing (FLEETSCOPE_TRACE_EVERY): every K steps profile a few steps with torch.profiler and
+    send the reduced trace (agent/tracing.py). 0 = off."""
+    trace_active_steps: int = 2
+    """Steps profiled per sampled window."""
     measure_flops: bool = True
     """Without given/estimated FLOPs, count them once with FlopCounterMode over the first step."""
     memory_every_steps: int = 1
@@ -85,6 +90,13 @@ class AgentConfig:
             env["token"] = os.environ["FLEETSCOPE_TOKEN"]
         if os.environ.get("FLEETSCOPE_SPOOL_DIR"):
             env["spool_dir"] = os.environ["FLEETSCOPE_SPOOL_DIR"]
+        if os.environ.get("FLEETSCOPE_TRACE_EVERY"):
+            try:
+                env["trace_every_steps"] = int(os.environ["FLEETSCOPE_TRACE_EVERY"])
+            except ValueError:
+                raise ValueError(
+                    f"FLEETSCOPE_TRACE_EVERY must be an integer, got {os.environ['FLEETSCOPE_TRACE_EVERY']!r}"
+                ) from None
         for name, key in (("FLEETSCOPE_OFFLINE", "offline"), ("FLEETSCOPE_DISABLED", "disabled")):
             b = _env_bool(name)
             if b is not None:

@@ -68,6 +68,7 @@ K_HOST = 4  # timed with the host clock (issued before the run's clock was chose
 K_PUSHED = 8  # pushed the COMM state of the current step
 K_FAST = 16  # a blocking call timed by the wrapper's fast path (collectives.py): its time is still
 # charged to the state it was issued in (C_STATE) and moves to COMM when the step is resolved
+_K_SYNC_FAST = K_TRAINING | K_FAST
 
 _HOST = CpuClock()
 _SEQ_EPOCH = 1_700_000_000
@@ -207,7 +208,7 @@ class Step:
             if st is None:
                 if run._finished:
                     return self
-                if run._cpu and not run._flop_watch and not run._gap and run._collectives_tried:
+                if run._cpu and not run._flop_watch and not run._gap and run._collectives_tried and run._tracer is None:
                     # Run._begin for the host clock, inlined: the common case of every step
                     index = self._index
                     st = _StepData(run._next_index if index is None else index, False)
@@ -220,27 +221,28 @@ class Step:
                     run._last = t - _BIG
                     run._step = st
                     run._fast = True
-                else:
-                    st = run._begin(False, OTHER, self._index)
+                    tokens = self._tokens
+                    samples = self._samples
+                    padded = self._padded
+                    if (
+                        (tokens is None or type(tokens) is int)
+                        and (samples is None or type(samples) is int)
+                        and (padded is None or type(padded) is int)
+                    ):
+                        st.tokens = tokens  # a fresh step given ints or nothing: _add_counts, inlined
+                        st.samples = samples
+                        st.padded = padded
+                    else:
+                        run._add_counts(st, tokens, padded, samples)
+                    return self
+                st = run._begin(False, OTHER, self._index)
             else:
                 st.auto = False  # adopt the step the instrumented loader opened (keeps its data time)
             tokens = self._tokens
             samples = self._samples
             padded = self._padded
             if tokens is not None or samples is not None or padded is not None:
-                if (
-                    (tokens is None or type(tokens) is int)
-                    and (samples is None or type(samples) is int)
-                    and (padded is None or type(padded) is int)
-                    and st.tokens is None
-                    and st.samples is None
-                    and st.padded is None
-                ):
-                    st.tokens = tokens  # a fresh step given plain ints: _add_counts, inlined
-                    st.samples = samples
-                    st.padded = padded
-                else:
-                    run._add_counts(st, tokens, padded, samples)
+                run._add_counts(st, tokens, padded, samples)
         except Exception as e:  # noqa: BLE001
             run._error("step", e)
         return self
@@ -290,7 +292,7 @@ class Run:
     """
 
     __slots__ = (
-        "config", "info", "name", "rank", "world_size", "counters", "phase", "__weakref__",
+        "config", "info", "name", "rank", "world_size", "counters", "phase", "__weakref__", "_tracer",
         "_tx", "_submit", "_pid", "_finished", "_closed", "_lock", "_errors_logged", "_hooks",
         "_clock", "_mark", "_cpu", "_nsteps", "_next_index", "_event_seq",
         "_mem", "_mem_every", "_mem_interval", "_mem_next", "_mem_val",
@@ -361,6 +363,10 @@ class Run:
         self._flops_given = flops_source == "given" and flops_per_step is not None
         self._flop_meter: Any = None
         self._flop_watch = flops_source == "measured" and bool(getattr(config, "measure_flops", True))
+        self._tracer: Any = None
+        every = int(getattr(config, "trace_every_steps", 0) or 0)
+        if every > 0:
+            self._tracer = self._make_tracer(every, int(getattr(config, "trace_active_steps", 2) or 2))
         # bookkeeping. Events are keyed (run, rank, seq): a restarted process (same run name) must not
         # reuse the seq of its predecessor, so numbering starts at 4 × the seconds since 2023-11-14
         # (monotonic across restarts, below 2**30 until 2032; the transport's own events use 2**30+).
@@ -468,15 +474,36 @@ class Run:
             self._error("flush", e)
             return False
 
+    def _make_tracer(self, every: int, active: int) -> Any:
+        """The sampled profiler (agent/tracing.py): its summaries travel as ``trace_summary`` events."""
+        try:
+            from .tracing import SampledTracer, json_safe
+
+            def submit(d: dict[str, Any]) -> None:
+                data = {k: v for k, v in json_safe(d).items() if k not in ("kind", "step")}
+                self.event("trace_summary", step=d.get("step"), **data)
+
+            return SampledTracer(every, max(1, min(active, every)), submit, self.rank)
+        except Exception as e:  # noqa: BLE001
+            self._error("tracing", e)
+            return None
+
     def finish(self, status: str = "finished", timeout: float | None = None) -> None:
         """End the run: resolve pending steps (bounded), submit, mark the run, flush within ``timeout``
         (default ``exit_timeout_s``), remove hooks and restore torch.distributed. Idempotent."""
+        budget = float(getattr(self.config, "exit_timeout_s", 5.0) if timeout is None else timeout)
+        deadline = time.monotonic() + budget
+        tracer = self._tracer
+        if tracer is not None and not self._finished and os.getpid() == self._pid:
+            self._tracer = None
+            try:  # before the run is marked finished: the last summary is still an event of the run
+                tracer.close(timeout=min(3.0, budget / 2))  # a trace being reduced gets a bounded wait
+            except Exception as e:  # noqa: BLE001
+                self._error("finish", e)
         with self._lock:
             if self._finished or os.getpid() != self._pid:
                 return
             self._finished = True
-        budget = float(getattr(self.config, "exit_timeout_s", 5.0) if timeout is None else timeout)
-        deadline = time.monotonic() + budget
         try:
             if self._step is not None:
                 self._discard()
@@ -619,6 +646,9 @@ class Run:
                 self._flops_start()
         else:
             self._fast = self._cpu
+        if self._tracer is not None:  # sampled tracing (off by default): the slow path, like FLOP counting
+            self._fast = False
+            self._tracer.on_step_start(st.index)
         return st
 
     def _at(self, m: Any, state: int) -> None:
@@ -741,6 +771,8 @@ class Run:
         st = self._step
         if st is None:
             return
+        if self._tracer is not None:
+            self._tracer.on_step_end(st.index)
         if self._fast:
             self._end_fast(st)
             return
@@ -1194,6 +1226,17 @@ class Run:
         incomplete = 0
         seq = 0
         for op, n, nbytes, issue, done, pairs, kind, state, ts in (*pre, *st.calls) if n_pre else st.calls:
+            if kind == _K_SYNC_FAST and seq >= n_pre:
+                # the wrapper's fast path: a complete blocking call, exposed throughout
+                total = done - issue
+                comm_total += total
+                if durs is not None:
+                    durs[state] -= total
+                    durs[COMM] += total
+                t = total / 1e9
+                submit("collective", (rank, index, seq, op, n, nbytes, 1, t, t, ts0 + (issue - origin) / 1e9))
+                seq += 1
+                continue
             if pairs is None and done is not None:
                 total = done - issue
                 exposed = total if kind & K_TRAINING else 0

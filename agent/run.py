@@ -208,7 +208,13 @@ class Step:
             if st is None:
                 if run._finished:
                     return self
-                if run._cpu and not run._flop_watch and not run._gap and run._collectives_tried and run._tracer is None:
+                if (
+                    run._cpu
+                    and not run._flop_watch
+                    and not run._gap
+                    and run._collectives_tried
+                    and run._tracer is None
+                ):
                     # Run._begin for the host clock, inlined: the common case of every step
                     index = self._index
                     st = _StepData(run._next_index if index is None else index, False)
@@ -737,7 +743,8 @@ class Run:
         else:
             flops = self._flops_per_step
         has_comm = self._collectives_installed or bool(calls)
-        self._submit(
+        submit = self._submit  # a slot holding a bound method: LOAD_ATTR, not an unspecialized LOAD_METHOD
+        submit(
             "rank_step",
             (
                 self.rank,
@@ -765,7 +772,7 @@ class Run:
         )
         if st.modality:
             for name, v in st.modality.items():
-                self._submit("modality_tokens", (self.rank, index, name, v))
+                submit("modality_tokens", (self.rank, index, name, v))
 
     def _end(self) -> None:
         st = self._step

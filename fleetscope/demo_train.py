@@ -129,6 +129,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--peak-flops", type=float, default=None, help="per-device peak FLOP/s (CPU has none)")
     ap.add_argument("--sleep-ms", type=float, default=0.0, help="pause per step (a slower, watchable demo)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ddp-python-hook", action="store_true",
+                    help="give DDP torch's default Python all-reduce comm hook when the agent did not register "
+                         "its own (a benchmark reference: the cost of a Python comm hook itself)")
+    ap.add_argument("--timing-out", default=None, metavar="FILE",
+                    help="rank 0 writes the wall time of each loop iteration (perf_counter, s) to FILE as JSON")
     args = ap.parse_args(argv)
 
     torch = _torch()
@@ -150,8 +155,16 @@ def main(argv: list[str] | None = None) -> None:
                          seed=args.seed * 100 + dist.get_rank())
     loader = torch.utils.data.DataLoader(data, batch_size=None, shuffle=False, num_workers=0)
     loader = run.instrument(model=model, optimizer=opt, dataloader=loader, counts=counts)
+    if args.ddp_python_hook and not getattr(model, "_fleetscope_comm_hook", False):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
     loss_fn = torch.nn.CrossEntropyLoss(reduction="none")
     done = 0
+    times: list[float] | None = [] if args.timing_out and dist.get_rank() == 0 else None
+    cpu: list[float] = []  # CPU time of this process (all its threads: the agent's sender too) per iteration
+    t_prev = t_start = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes of a host
+    c_prev = time.process_time()
     for batch in loader:
         logits = model(batch["tokens"], batch["pad"])
         loss = (loss_fn(logits[:, :-1].reshape(-1, args.vocab), batch["tokens"][:, 1:].reshape(-1))
@@ -162,7 +175,19 @@ def main(argv: list[str] | None = None) -> None:
         done += 1
         if args.sleep_ms:
             time.sleep(args.sleep_ms / 1e3)
+        if times is not None:  # the whole iteration, next(loader) included
+            t = time.perf_counter()
+            c = time.process_time()
+            times.append(t - t_prev)
+            cpu.append(c - c_prev)
+            t_prev, c_prev = t, c
     run.finish()
+    if times is not None:
+        import json
+
+        with open(args.timing_out, "w") as f:
+            json.dump({"rank": 0, "agent": not isinstance(run, fs.NoopRun), "t0": t_start, "step_s": times,
+                       "cpu_s": cpu}, f)
     print(f"fleetscope-demo-train: rank {dist.get_rank()} finished {done} steps", flush=True)
     dist.destroy_process_group()
 

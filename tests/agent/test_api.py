@@ -163,6 +163,50 @@ def test_ddp_tail_moves_from_backward_to_exposed_comm(make_run: Any) -> None:
     assert st["flags"] == 0
 
 
+def test_nested_phases_and_a_custom_phase_first_seen_inside_a_step(make_run: Any) -> None:
+    run, tx = make_run()
+    clock = ScriptedClock()
+    run._use_clock(clock)
+    with run.step():
+        clock.now = 5
+        with run.phase("forward"):
+            clock.now = 15
+            with run.phase("attention_kernel_tuning"):  # created now: the step's table grows
+                clock.now = 40
+                with run.phase("attention_kernel_tuning"):  # re-entered: the stack, not the object
+                    clock.now = 50
+                clock.now = 55
+            clock.now = 60
+        clock.now = 61
+        run.phase("backward").__exit__(None, None, None)  # an exit without its enter: ignored
+        clock.now = 70
+    (st,) = tx.steps()
+    assert st["forward_s"] == 15e-9  # 5..15 and 55..60
+    assert st["compute_s"] == 55e-9  # forward 15 + the custom phase 40 (15..55)
+    assert st["other_s"] == 15e-9 and st["backward_s"] is None and st["data_s"] is None
+    assert parts_sum(st) == pytest.approx(st["step_s"], rel=1e-12, abs=0)
+    with run.step():  # the next step starts from zero, the custom phase known
+        with run.phase("attention_kernel_tuning"):
+            clock.now = 75
+    st = tx.steps()[1]
+    assert st["compute_s"] == 5e-9 and st["forward_s"] is None
+
+
+def test_rss_is_read_at_most_every_100_ms_of_the_step_clock(make_run: Any) -> None:
+    run, tx = make_run()
+    clock = ScriptedClock()
+    run._use_clock(clock)
+    reads = []
+    sample = run._mem.sample
+    run._mem.sample = lambda: reads.append(clock.now) or sample()
+    for _ in range(5):
+        with run.step():
+            clock.now += 40_000_000  # 40 ms steps
+    assert reads == [40_000_000, 160_000_000]
+    mems = [s["mem_allocated_bytes"] for s in tx.steps()]
+    assert all(m is None or m > 0 for m in mems) and len(set(mems)) <= 2
+
+
 def test_rank_step_tuple_follows_the_wire_layout(make_run: Any) -> None:
     run, tx = make_run()
     with run.step(tokens=5):

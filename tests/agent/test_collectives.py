@@ -198,3 +198,104 @@ def test_no_device_synchronisation_with_cuda_timing(monkeypatch: pytest.MonkeyPa
             assert parts_sum(s) == pytest.approx(s["step_s"], rel=1e-9, abs=1e-12)
     finally:
         dist.destroy_process_group()
+
+
+def _fake_all_reduce(seconds: float) -> Any:
+    """A collective with ``all_reduce``'s signature that takes ``seconds`` (no transfer)."""
+    import time
+
+    def all_reduce(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:
+        time.sleep(seconds)
+
+    return all_reduce
+
+
+def test_fast_path_moves_blocking_calls_out_of_their_phase(tmp_path: Any) -> None:
+    """The generated wrapper's hot path (host clock, blocking, training thread) leaves the call's time
+    in its phase until the step ends; then it is exposed comm, exactly, one call or 70 (aggregated)."""
+    import time
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        run = fs.init("fast-path", transport=FakeTransport, clock="cpu", flops_per_step=1.0)
+        tx = FakeTransport.instances[-1]
+        slow = collectives._make_wrapper("all_reduce", _fake_all_reduce(0.004))
+        quick = collectives._make_wrapper("all_reduce", _fake_all_reduce(0.0))
+        assert slow.__code__.co_filename == "<fleetscope wrapper of all_reduce>"  # not the generic one
+        t = torch.ones(8)
+        with run.step():
+            with run.phase("backward"):
+                time.sleep(0.002)
+                slow(t)
+                slow(t, group=None)
+        with run.step():
+            with run.phase("forward"):
+                for _ in range(70):
+                    quick(t)
+            with run.phase("backward"):
+                slow(t)
+        run.finish()
+        s0, s1 = tx.steps()
+        colls = tx.collectives()
+        c0 = [c for c in colls if c["step"] == 0]
+        assert [(c["op"], c["bytes"], c["group_size"], c["calls"], c["seq"]) for c in c0] == [
+            ("all_reduce", 32, 1, 1, 0),
+            ("all_reduce", 32, 1, 1, 1),
+        ]
+        assert all(c["exposed_s"] == c["total_s"] >= 0.004 for c in c0)
+        assert s0["comm_exposed_s"] == s0["comm_total_s"] == pytest.approx(sum(c["total_s"] for c in c0))
+        assert 0.002 <= s0["backward_s"] < 0.004  # the phase's own time, the waits left out
+        c1 = [c for c in colls if c["step"] == 1]
+        assert sum(c["calls"] for c in c1) == 71  # above the threshold: aggregated by size bucket
+        assert s1["comm_exposed_s"] == pytest.approx(s1["comm_total_s"], rel=1e-12)
+        assert s1["backward_s"] < 0.004 <= s1["comm_exposed_s"]
+        for s in (s0, s1):
+            assert parts_sum(s) == pytest.approx(s["step_s"], rel=1e-12, abs=0)
+        assert run.stats()["internal_errors"] == 0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fast_path_nested_call_other_thread_and_failing_collective(tmp_path: Any) -> None:
+    import threading
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        run = fs.init("fast-edges", transport=FakeTransport, clock="cpu", flops_per_step=1.0)
+        tx = FakeTransport.instances[-1]
+        inner = collectives._make_wrapper("all_reduce", _fake_all_reduce(0.0))
+
+        def outer_fn(
+            output_tensor: Any, input_tensor: Any, group: Any = None, async_op: bool = False
+        ) -> None:
+            inner(input_tensor)  # torch's helpers call other collectives: one collective, not two
+
+        outer = collectives._make_wrapper("all_gather_into_tensor", outer_fn)
+
+        def broken(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:
+            raise RuntimeError("connection reset by peer")
+
+        failing = collectives._make_wrapper("all_reduce", broken)
+        t = torch.ones(4)
+        with run.step():
+            with run.phase("forward"):
+                outer(torch.empty(4), t)
+                th = threading.Thread(target=inner, args=(t,))  # e.g. an async checkpointer's barrier
+                th.start()
+                th.join()
+            with pytest.raises(RuntimeError, match="connection reset"):
+                with run.phase("backward"):
+                    failing(t)
+            with run.phase("optimizer"):
+                pass
+        run.finish()
+        (s,) = tx.steps()
+        ops = [(c["op"], c["bytes"]) for c in tx.collectives()]
+        assert ops == [("all_gather", 16), ("all_reduce", 16), ("all_reduce", 16)]
+        other_thread = tx.collectives()[1]
+        assert other_thread["exposed_s"] == 0  # issued by another thread: the loop did not wait
+        assert s["optimizer_s"] is not None and s["backward_s"] is not None
+        assert parts_sum(s) == pytest.approx(s["step_s"], rel=1e-12, abs=0)
+        assert run.stats()["internal_errors"] == 0
+    finally:
+        dist.destroy_process_group()

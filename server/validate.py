@@ -288,18 +288,24 @@ def _int(v: Any, where: str, *, optional: bool = False) -> int | None:
     return v
 
 
+def _object_with_rank(obj: Any, where: str, keys: set[str], world_size: int) -> int:
+    """An object with only ``keys`` and a valid ``rank`` (< the run's world size); returns the rank."""
+    if not isinstance(obj, dict):
+        raise BatchError(where, "must be an object")
+    for k in obj:
+        if k not in keys:
+            raise BatchError(f"{where}.{k}", f"unknown field (expected some of {', '.join(sorted(keys))})")
+    rank = _int(obj.get("rank"), f"{where}.rank")
+    assert rank is not None
+    if rank >= world_size:
+        raise BatchError(f"{where}.rank", f"must be < the run's world_size {world_size}", got=rank)
+    return rank
+
+
 def _ranks(items: list[tuple[str, Any]], world_size: int) -> list[dict[str, Any]]:
     out = []
     for where, r in items:
-        if not isinstance(r, dict):
-            raise BatchError(where, "must be an object")
-        for k in r:
-            if k not in _RANK_KEYS:
-                raise BatchError(f"{where}.{k}", f"unknown field (expected some of {', '.join(sorted(_RANK_KEYS))})")
-        rank = _int(r.get("rank"), f"{where}.rank")
-        assert rank is not None
-        if rank >= world_size:
-            raise BatchError(f"{where}.rank", f"must be < the run's world_size {world_size}", got=rank)
+        rank = _object_with_rank(r, where, _RANK_KEYS, world_size)
         d: dict[str, Any] = {"rank": rank, "local_rank": _int(r.get("local_rank"), f"{where}.local_rank", optional=True)}
         for k in ("host", "node", "device"):
             v = r.get(k)
@@ -313,15 +319,7 @@ def _ranks(items: list[tuple[str, Any]], world_size: int) -> list[dict[str, Any]
 def _events(items: list[tuple[str, Any]], world_size: int) -> list[dict[str, Any]]:
     out = []
     for where, e in items:
-        if not isinstance(e, dict):
-            raise BatchError(where, "must be an object")
-        for k in e:
-            if k not in _EVENT_KEYS:
-                raise BatchError(f"{where}.{k}", f"unknown field (expected some of {', '.join(sorted(_EVENT_KEYS))})")
-        rank = _int(e.get("rank"), f"{where}.rank")
-        assert rank is not None
-        if rank >= world_size:
-            raise BatchError(f"{where}.rank", f"must be < the run's world_size {world_size}", got=rank)
+        rank = _object_with_rank(e, where, _EVENT_KEYS, world_size)
         kind = e.get("kind")
         if not isinstance(kind, str) or not 0 < len(kind) <= 64:
             raise BatchError(f"{where}.kind", "must be a string of 1..64 characters", got=kind)

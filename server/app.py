@@ -8,9 +8,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import Engine, text
+from sqlalchemy.exc import DataError
 
 from fleetscope import __version__
 from fleetscope.settings import Settings
@@ -134,6 +136,14 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
         app.include_router(alerts.router, prefix="/api/v1")
     except ImportError:  # pragma: no cover
         pass
+
+    @app.exception_handler(DataError)
+    @app.exception_handler(psycopg.DataError)
+    async def _bad_value(request: Request, exc: Exception) -> JSONResponse:
+        # the database refused a value the client sent (NUL characters, out-of-range numbers or times):
+        # a 422 naming the problem, never a 500
+        msg = str(getattr(exc, "orig", None) or exc).splitlines()[0][:200]
+        return JSONResponse({"detail": f"invalid value: {msg}"}, status_code=422)
 
     @app.exception_handler(Exception)
     async def _unhandled(request: Request, exc: Exception) -> JSONResponse:  # pragma: no cover - last resort

@@ -29,7 +29,7 @@ class RunRegistration(BaseModel):
     device_count: int | None = Field(default=None, ge=0)
     peak_flops: float | None = Field(default=None, gt=0, description="peak dense FLOP/s per device")
     git_commit: str | None = Field(default=None, max_length=64)
-    started_at: float | None = Field(default=None, description="unix time the job started")
+    started_at: float | None = Field(default=None, ge=0, le=1e11, description="unix time the job started")
     meta: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("peak_flops", "started_at")
@@ -43,7 +43,7 @@ class RunRegistration(BaseModel):
 class RunFinish(BaseModel):
     model_config = ConfigDict(extra="forbid")
     status: str = Field(default="finished", pattern="^(finished|failed|aborted)$")
-    finished_at: float | None = Field(default=None, description="unix time the run ended (default: now)")
+    finished_at: float | None = Field(default=None, ge=0, le=1e11, description="unix time the run ended (default: now)")
 
     @field_validator("finished_at")
     @classmethod

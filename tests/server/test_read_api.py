@@ -77,3 +77,17 @@ def test_openapi_healthz_and_metrics(live_server: Any) -> None:
     assert 'fleetscope_ingest_rejections_total{reason="auth"} 1.0' in m
     assert "fleetscope_db_pool_checked_out" in m and "fleetscope_ingest_queue_depth" in m
     assert 'fleetscope_runs{status="running"} 1.0' in m
+
+
+def test_values_the_database_cannot_store_get_422_not_500(live_server: Any) -> None:
+    h = {"Authorization": f"Bearer {live_server.token}"}
+    r = httpx.post(f"{live_server.url}/api/v1/runs", json={"name": "nul\u0000name"}, headers=h)
+    assert r.status_code == 422, r.text
+    r = httpx.post(f"{live_server.url}/api/v1/runs", json={"name": "ok", "config": {"k\u0000": 1}}, headers=h)
+    assert r.status_code == 422, r.text
+    assert httpx.get(f"{live_server.url}/api/v1/runs", params={"status": "a\u0000b"}).status_code == 422
+    with live_server.client() as c:
+        rid = c.register_run({"name": "fine", "world_size": 1})
+    r = httpx.post(f"{live_server.url}/api/v1/runs/{rid}/finish", json={"finished_at": 6.3e16}, headers=h)
+    assert r.status_code == 422, r.text
+    assert httpx.get(f"{live_server.url}/healthz").status_code == 200

@@ -1,4 +1,4 @@
-"""Model FLOPs per step and peak FLOP/s per device (metrics.md, "Throughput and MFU").
+"""Model FLOPs per step and peak FLOP/s per device (docs/metrics.md, "Throughput and MFU").
 
 Sources of a step's FLOPs, in priority order, recorded with the number (``flops_source``):
 ``"given"`` (``flops_per_step``/``flops_per_token``), ``"measured"`` (``FlopCounterMode`` over the

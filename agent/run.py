@@ -13,7 +13,7 @@ that phase. The only moved time is DDP's gradient all-reduce tail (measured off-
 ``collectives.py``); if moving it would drive a phase below zero, the residual goes negative, is
 reported as ``other_s = 0`` with ``FLAG_NEGATIVE_RESIDUAL`` set, never clamped silently.
 
-Hot-path rules (measurements.md): context managers are prebuilt and reused (no ``@contextmanager``),
+Hot-path rules (docs/benchmarks.md, "Design measurements"): context managers are prebuilt and reused (no ``@contextmanager``),
 a transition is one clock read and one list append, a step's end builds one tuple and calls
 ``transport.submit``. Nothing here calls ``.item()``, synchronises a device or does I/O besides one
 ``pread`` of ``/proc/self/statm`` on CPU. Internal errors are caught at each entry point, counted and
@@ -56,7 +56,7 @@ _COMPUTE_BUILTIN = (FORWARD, BACKWARD, OPTIMIZER)
 #: rank_step ``flags`` bits
 FLAG_NEGATIVE_RESIDUAL = 1
 """bit 0: a measurement error: the measured components exceeded step_s (other_s reported as 0, and
-the excess not charged), metrics.md "never clamped silently"."""
+the excess not charged), docs/metrics.md "never clamped silently"."""
 FLAG_FLOPS_MEASURED = 2
 """bit 1: FLOPs were counted (FlopCounterMode) during this step, which slowed it."""
 

@@ -7,7 +7,7 @@ No change inside the training loop. What each hook marks (``run.py`` holds the s
   step boundary); one while a step is open (gradient accumulation) adds to it. A ``next()`` that ends
   the epoch (``StopIteration``) leaves no step behind.
 * model: a forward pre-hook (prepended, so it runs before FSDP's unshard) and a forward hook on the
-  top-level module only (one hook pair costs ~2.5 µs, measurements.md). Without an instrumented loader
+  top-level module only (one hook pair costs ~2.5 µs, docs/benchmarks.md "Design measurements"). Without an instrumented loader
   the first training-mode forward of a step starts it; a forward in eval mode or under ``no_grad``
   never starts one.
 * backward: from the end of forward to the start of ``optimizer.step()``. Chosen over autograd hooks

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 from .settings import Settings
@@ -102,12 +103,9 @@ def run_demo(settings: Settings, *, with_job: bool = True, small: bool = False, 
             n = load_history(c, fleet_history(small=small))
             print(f"fleetscope demo: loaded {n:,} rank-steps", flush=True)
         if with_job:
-            try:
-                from .demo_job import start_job
-            except ImportError:
-                log.warning("the live training job needs the agent (fleetscope.agent); skipped")
-            else:
-                state["job"] = start_job(base, token)
+            from .demo_job import start_job
+
+            state["job"] = start_job(base, token, log_dir=Path(settings.data_dir) / "demo-job")
         print(f"\n  fleetscope dashboard: {base}/\n  API docs: {base}/docs\n  Ctrl-C to stop\n", flush=True)
         if exit_when_loaded:
             os.kill(os.getpid(), signal.SIGINT)

@@ -3,7 +3,9 @@
 Layout (docs/architecture.md): each accepted batch lands as one ``ingest_fragments`` row holding its
 records as compressed columnar blocks; the compactor folds each complete step into one ``steps``
 row holding the cross-rank rollup columns plus a compressed columnar block of every rank's record. ``run_id`` leads
-every key so the schema distributes on Citus by run_id unchanged.
+the primary key of every per-run table and is in every unique key, so those tables distribute on
+Citus by run_id unchanged (``runs`` and the tables without a run id are reference tables;
+tests/server/test_schema_catalog.py checks the migrated catalog).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     MetaData,
+    PrimaryKeyConstraint,
     SmallInteger,
     String,
     Text,
@@ -106,8 +109,11 @@ class IngestFragment(Base):
     folds complete steps into ``steps`` and rewrites what is left. Duplicates are removed there."""
 
     __tablename__ = "ingest_fragments"
-    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    # explicit PK: keeps run_id first in the DDL (Citus); the plain index on id serves the
+    # compactor's ORDER BY id LIMIT and DELETE ... WHERE id = ANY(...)
+    __table_args__ = (PrimaryKeyConstraint("run_id", "id"), Index("ix_ingest_fragments_id", "id"))
     run_id: Mapped[int] = mapped_column(Integer)
+    id: Mapped[int] = mapped_column(BigInteger, autoincrement=True)  # BIGSERIAL, unique on its own
     received_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
     n_rank_steps: Mapped[int] = mapped_column(Integer)
     n_collectives: Mapped[int] = mapped_column(Integer)
@@ -118,9 +124,14 @@ class IngestFragment(Base):
 
 
 class ModalityRaw(Base):
+    """Landing zone for per-modality token counts (COPY at ingest). A retried batch lands its rows
+    again: the compactor keeps the first copy of each (run, step, rank, modality), so the primary
+    key is a surrogate ``(run_id, id)``, not that natural key."""
+
     __tablename__ = "modality_raw"
-    __mapper_args__ = {"primary_key": ["run_id", "step", "rank", "modality"]}
+    __table_args__ = (PrimaryKeyConstraint("run_id", "id"),)
     run_id: Mapped[int] = mapped_column(Integer)
+    id: Mapped[int] = mapped_column(BigInteger, autoincrement=True)  # BIGSERIAL
     step: Mapped[int] = mapped_column(Integer)
     rank: Mapped[int] = mapped_column(Integer)
     modality: Mapped[str] = mapped_column(String(64))

@@ -20,6 +20,28 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The browser tests need Debian's chromium + chromedriver: install them once, before any test
+    runs (outside every test's timeout), when a selected test uses the browser and they are missing."""
+    if not any("browser" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "dashboard"))
+    from browser_util import ensure_chromium, find_chromium
+
+    if all(find_chromium()):
+        return
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        tr.write_line("installing chromium + chromium-driver with apt-get for the browser tests (first run only) ...")
+    try:
+        ensure_chromium()
+    except RuntimeError as e:  # the browser fixture fails each browser test with this message
+        if tr is not None:
+            tr.write_line(f"  {e}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

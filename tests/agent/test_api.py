@@ -438,8 +438,8 @@ def test_forked_child_inherits_an_inert_run(make_run: Any) -> None:
 def test_records_pass_the_transport_and_the_server_validator(make_run: Any) -> None:
     """Contract check: what the agent submits is well-formed for the transport's batch builder and
     accepted, field by field, by the server's ingest validation."""
-    build_batch = pytest.importorskip("fleetscope.agent.transport").build_batch
-    validate_batch = pytest.importorskip("fleetscope.server.validate").validate_batch
+    from fleetscope.agent.transport import build_batch
+    from fleetscope.server.validate import validate_batch
     run, tx = make_run()
     clock = ScriptedClock()
     run._use_clock(clock)

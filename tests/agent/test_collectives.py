@@ -9,11 +9,8 @@ import sys
 from typing import Any
 
 import pytest
-
-torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
-if not dist.is_available():  # pragma: no cover
-    pytest.skip("torch.distributed unavailable", allow_module_level=True)
+import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -62,7 +62,7 @@ def test_palm_formula() -> None:
 
 
 def test_flop_meter_within_one_percent_of_analytic() -> None:
-    torch = pytest.importorskip("torch")
+    import torch
     torch.set_num_threads(1)
     model = _mlp()
     x = torch.randn(BATCH, 64, requires_grad=True)
@@ -77,7 +77,7 @@ def test_flop_meter_within_one_percent_of_analytic() -> None:
 
 
 def test_measured_flops_scale_with_tokens_in_each_record() -> None:
-    torch = pytest.importorskip("torch")
+    import torch
     torch.set_num_threads(1)
     run = fs.init("mfu-measured", transport=FakeTransport, collectives=False, peak_flops=2e9)
     tx = FakeTransport.instances[-1]
@@ -129,7 +129,7 @@ def test_estimated_flops_follow_the_palm_formula_per_token() -> None:
 
 
 def test_cpu_run_has_no_peak_unless_given() -> None:
-    pytest.importorskip("torch")
+    import torch  # noqa: F401
     run = fs.init("mfu-cpu", transport=FakeTransport, collectives=False, clock="cpu")
     tx = FakeTransport.instances[-1]
     run.finish()

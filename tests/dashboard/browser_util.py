@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -28,26 +31,73 @@ def find_chromium() -> tuple[str | None, str | None]:
     return browser, shutil.which("chromedriver")
 
 
+_APT_PACKAGES = ("chromium", "chromium-driver")
+_install_lock = threading.Lock()
+_install_error: str | None = None
+
+
+def ensure_chromium() -> tuple[str, str]:
+    """Debian's chromium and chromedriver, installed with apt-get on first use when they are missing
+    (as root, or with password-less sudo), so that the README's test command needs no extra step.
+    Raises RuntimeError naming what is missing and the command that installs it."""
+    global _install_error
+    with _install_lock:
+        binary, driver = find_chromium()
+        if binary and driver:
+            return binary, driver
+        if _install_error is not None:  # tried once this session already
+            raise RuntimeError(_install_error)
+        apt = shutil.which("apt-get")
+        sudo: list[str] = []
+        if os.geteuid() != 0:
+            sudo = ["sudo", "-n"] if shutil.which("sudo") else []
+        why = ""
+        if apt and (os.geteuid() == 0 or sudo):
+            env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+            for cmd in ([*sudo, apt, "update", "-q"], [*sudo, apt, "install", "-y", "-q", *_APT_PACKAGES]):
+                r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+                if r.returncode != 0:
+                    why = f"; `{' '.join(cmd)}` failed: {(r.stderr or r.stdout).strip()[-400:]}"
+                    break
+            binary, driver = find_chromium()
+            if binary and driver:
+                return binary, driver
+        _install_error = (
+            "the dashboard browser tests need headless chromium and chromedriver on PATH "
+            f"(found chromium={binary}, chromedriver={driver}){why}; install them with "
+            "`sudo apt-get install -y chromium chromium-driver`"
+        )
+        raise RuntimeError(_install_error)
+
+
 def start_browser() -> Any:
-    """A headless chromium with a fresh profile; raises RuntimeError naming what is missing."""
+    """A headless chromium with a fresh profile (installed on first use, see ``ensure_chromium``)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
 
-    binary, driver = find_chromium()
-    if not binary or not driver:
-        raise RuntimeError(
-            "the dashboard browser tests need headless chromium and chromedriver on PATH "
-            f"(found chromium={binary}, chromedriver={driver}); install them, e.g. "
-            "`apt-get install chromium chromium-driver`"
-        )
+    binary, driver = ensure_chromium()
     opts = Options()
     for f in FLAGS:
         opts.add_argument(f)
-    opts.add_argument(f"--user-data-dir={tempfile.mkdtemp(prefix='fs-chromium-')}")
+    profile = tempfile.mkdtemp(prefix="fs-chromium-")
+    opts.add_argument(f"--user-data-dir={profile}")
     opts.binary_location = binary
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    d = webdriver.Chrome(service=Service(driver), options=opts)
+    try:
+        d = webdriver.Chrome(service=Service(driver), options=opts)
+    except Exception:
+        shutil.rmtree(profile, ignore_errors=True)
+        raise
+    quit_ = d.quit
+
+    def quit_and_clean() -> None:  # the fresh profile goes with the browser
+        try:
+            quit_()
+        finally:
+            shutil.rmtree(profile, ignore_errors=True)
+
+    d.quit = quit_and_clean
     d.set_page_load_timeout(60)
     return d
 

@@ -7,9 +7,7 @@ import threading
 from typing import Any
 
 import pytest
-
-torch = pytest.importorskip("torch")
-
+import torch
 from fleetscope.agent.tracing import SampledTracer  # noqa: E402
 
 

@@ -75,7 +75,8 @@ def _timer(n: int) -> list[int]:
 
 
 def _floor(n: int) -> list[int]:
-    """5 nested no-op ``with`` blocks on prebuilt objects: 1 step around 4 phases (measurements.md)."""
+    """5 nested no-op ``with`` blocks on prebuilt objects: 1 step around 4 phases
+    (docs/benchmarks.md "Design measurements")."""
     step, data, fwd, bwd, opt = (_NoopCM() for _ in range(5))
     out: list[int] = []
     append = out.append

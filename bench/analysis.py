@@ -3,14 +3,14 @@
     python bench/analysis.py [--ranks 1024] [--steps 5000] [--sim-steps 30] [--straggler 317]
 
 1. ``fleetscope simulate --straggler R:1.3`` on ``--ranks`` ranks (the real agent transport, the real
-   ingest and compaction): is rank R named first, and is no other rank flagged? (targets.md)
+   ingest and compaction): is rank R named first, and is no other rank flagged? (docs/benchmarks.md "Targets")
 2. A large run (``--ranks`` × ``--steps``, the targets' data set) ingested as columnar msgpack
    batches, then the run summary over HTTP (warm, median of 15) and each analysis function timed
    in-process; side by side, the straggler report recomputed by decoding every step block (the scan
    the per-rank rollups avoid) and the cost of the compaction fold per rank-step.
 
 The server runs as its own process (``fleetscope serve``) on embedded Postgres. Prints
-``name: value unit`` lines last (targets.md).
+``name: value unit`` lines last (docs/benchmarks.md).
 """
 
 from __future__ import annotations

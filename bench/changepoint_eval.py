@@ -8,7 +8,7 @@ one that raises alerts and that ``fleetscope detect`` uses); nothing here tunes 
 baseline (no change point) is scored side by side. ``--tcpd DIR`` also scores the univariate series of
 the TCPD data set (github.com/alan-turing-institute/TCPD: ``annotations.json`` and the dataset
 ``*.json`` files in DIR) — an external check, never used to choose the configuration.
-Prints ``name: value unit`` lines last (targets.md).
+Prints ``name: value unit`` lines last (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Dashboard benchmark (targets.md "Queries and pages"): 500 runs of history plus one run of
+"""Dashboard benchmark (docs/benchmarks.md "Targets", "Queries and pages"): 500 runs of history plus one run of
 1,024 ranks × 5,000 steps, loaded through the real ingest; then query latencies, chart payloads and
 the run page in headless chromium, each side by side with the naive path it replaces.
 
@@ -39,7 +39,7 @@ FAMILIES = {  # name -> (params, tokens per rank-step, base MFU, modalities)
     "vit-h": (0.63e9, 65536, 0.38, ("vision",)),
     "video-dit-3b": (3e9, 32768, 0.44, ("video", "text")),
 }
-PEAK = 989e12  # H100 SXM dense bf16 (metrics.md)
+PEAK = 989e12  # H100 SXM dense bf16 (docs/metrics.md)
 SCALING_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)  # the scaling target: a family with 8 cluster sizes
 OPS = ("all_reduce", "all_reduce", "all_gather", "barrier")
 
@@ -114,11 +114,11 @@ class Bench:
     def start(self) -> None:
         import psycopg
         import uvicorn
-        from fleetscope.server.app import create_app
         from fleetscope.server.auth import create_token
         from fleetscope.server.db import EmbeddedPostgres
+        from fleetscope.server.settings import Settings
 
-        from fleetscope.settings import Settings
+        from fleetscope.webapp import create_web_app
 
         pg_dir = Path(self.args.pg_dir) if self.args.pg_dir else self.dir / "pg"
         self.pg = EmbeddedPostgres(str(pg_dir))
@@ -132,7 +132,7 @@ class Bench:
         url = f"{head.rsplit('/', 1)[0]}/{name}" + (f"?{query}" if query else "")
         settings = Settings(database_url=url, compact_interval_s=0.5, compact_grace_s=2.0, backlog_max_rows=3_000_000,
                             max_batch_records=2_000_000, port=0)
-        self.app = create_app(settings)
+        self.app = create_web_app(settings)
         import socket
 
         with socket.socket() as sk:

@@ -4,7 +4,7 @@ rank-step after compaction, side by side with a one-row-per-rank-step table with
 
     python bench/ingest.py [--rank-steps 400000] [--ranks 256] [--senders 3]
 
-Prints `name: value unit` lines last (targets.md). The server runs as its own process
+Prints `name: value unit` lines last (docs/benchmarks.md). The server runs as its own process
 (`fleetscope serve --database-url`), as in production; batches are encoded before timing starts.
 """
 

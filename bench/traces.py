@@ -14,7 +14,7 @@ is the steadier one (both tools are single-threaded here). fleetscope: ``reduce_
 HTA (a separate venv, never a project dependency: ``python -m venv /tmp/hta &&
 /tmp/hta/bin/pip install traceinsight``): ``TraceAnalysis(trace_dir)`` + ``get_temporal_breakdown``
 + ``get_comm_comp_overlap``. The HTA figures are compared with fleetscope's (parity line).
-Prints ``name: value unit`` lines last (targets.md).
+Prints ``name: value unit`` lines last (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The dashboard: a Dash (Plotly) multi-page app mounted at ``/`` of the API server (see pages/).
 
-``mount(app, state_ref)`` is what ``server.app.create_app`` calls; pages read through the server's
-query layer (``server/queries.py``, ``server/views.py``) only. Imported lazily so that importing the
+``mount(app)`` is what ``fleetscope.webapp.create_web_app`` calls (the server never imports the
+dashboard); pages read through the server's read façade only. Imported lazily so that importing the
 package does not load Dash.
 """
 

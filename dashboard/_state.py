@@ -1,4 +1,4 @@
-"""Where pages find the server's engine: the ``state_ref`` the mounting FastAPI app put in the WSGI environ."""
+"""Where pages find the server's engine: the ``app.state`` the mounting FastAPI app put in the WSGI environ."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ def engine() -> Any:
     """The SQLAlchemy engine of the server handling the current request."""
     from flask import request
 
-    ref = request.environ.get("fleetscope.state_ref") or {}
-    st = ref.get("state")
+    st = getattr(request.environ.get("fleetscope.app_state"), "fs", None)
     if st is None:
         raise NotReady("fleetscope is still starting; reload in a moment")
     return st.engine

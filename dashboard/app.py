@@ -1,7 +1,7 @@
 """Builds the Dash app (Dash Pages) and mounts it at ``/`` inside the FastAPI server.
 
 One Dash (Flask) app per process, built on first use; each FastAPI app that mounts it passes its
-own ``state_ref`` through the WSGI environ, so pages and callbacks find the right engine even when
+own ``app.state`` through the WSGI environ, so pages and callbacks find the right engine even when
 one process serves several apps (tests). Routes registered before the mount (``/api/v1``,
 ``/healthz``, ``/metrics``, ``/docs``, ``/openapi.json``) keep precedence; unknown ``/api/`` paths
 stay JSON 404s instead of falling through to the dashboard.
@@ -9,15 +9,13 @@ stay JSON 404s instead of falling through to the dashboard.
 
 from __future__ import annotations
 
-import importlib
 import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["mount", "build_dash", "PAGES"]
+__all__ = ["mount", "build_dash"]
 
-PAGES = ("fleet", "run", "scaling", "compare", "regressions", "benchmarks", "not_found_404")
-_ENV_KEY = "fleetscope.state_ref"
+_ENV_KEY = "fleetscope.app_state"
 _dash: Any = None
 _lock = threading.Lock()
 
@@ -43,8 +41,10 @@ def build_dash() -> Any:
             update_title=None,
             serve_locally=True,
         )
-        for page in PAGES:
-            mod = importlib.import_module(f"{__package__}.pages.{page}")
+        # importing a page module registers its route (dash.register_page), so it follows Dash()
+        from .pages import benchmarks, compare, fleet, not_found_404, regressions, run, scaling
+
+        for mod in (fleet, run, scaling, compare, regressions, benchmarks, not_found_404):
             entry = dash.page_registry.get(mod.__name__)
             if entry is not None and not entry.get("supplied_layout"):
                 entry["layout"] = mod.layout  # what Dash does for modules it imports from a pages folder itself
@@ -56,22 +56,23 @@ def build_dash() -> Any:
         return app
 
 
-def _wsgi_with_state(wsgi: Any, state_ref: dict[str, Any]) -> Any:
+def _wsgi_with_state(wsgi: Any, app_state: Any) -> Any:
     def app(environ: dict[str, Any], start_response: Any) -> Any:
-        environ[_ENV_KEY] = state_ref
+        environ[_ENV_KEY] = app_state
         return wsgi(environ, start_response)
 
     return app
 
 
-def mount(app: Any, state_ref: dict[str, Any]) -> None:
-    """Mount the dashboard at ``/`` of the FastAPI ``app``; pages read ``state_ref["state"].engine``."""
+def mount(app: Any) -> None:
+    """Mount the dashboard at ``/`` of the FastAPI ``app``; pages read the server's state from
+    ``app.state.fs`` (set by the app's lifespan) through the WSGI environ."""
     from a2wsgi import WSGIMiddleware
     from starlette.middleware.gzip import GZipMiddleware
     from starlette.responses import JSONResponse
 
     dash_app = build_dash()
-    inner = GZipMiddleware(WSGIMiddleware(_wsgi_with_state(dash_app.server, state_ref), workers=8), minimum_size=2048)
+    inner = GZipMiddleware(WSGIMiddleware(_wsgi_with_state(dash_app.server, app.state), workers=8), minimum_size=2048)
 
     async def dashboard(scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = scope.get("path", "")

@@ -1,4 +1,4 @@
-"""The `fleetscope` command line (contract.md)."""
+"""The `fleetscope` command line (docs/cli.md)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _setup_logging(verbose: bool = False) -> None:
 
 
 def _settings(**overrides: object):  # type: ignore[no-untyped-def]
-    from fleetscope.settings import Settings
+    from fleetscope.server.settings import Settings
 
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
 
@@ -61,8 +61,9 @@ def serve(
     if settings.insecure_no_auth:
         typer.secho("WARNING: authentication is DISABLED (--insecure-no-auth)", fg="red", bold=True, err=True)
     from fleetscope.server.serve import run_server
+    from fleetscope.webapp import create_web_app
 
-    run_server(settings)
+    run_server(settings, app_factory=create_web_app)
 
 
 @app.command()

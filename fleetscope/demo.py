@@ -8,7 +8,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from .settings import Settings
+from fleetscope.server.settings import Settings
+
 from .synthetic import RunSpec, collective_rows, rank_step_rows
 
 __all__ = ["run_demo", "fleet_history", "load_history"]
@@ -91,6 +92,7 @@ def run_demo(settings: Settings, *, with_job: bool = True, small: bool = False, 
     """Start the server, load the demo fleet, print the URL, and stay up until Ctrl-C."""
     from fleetscope.server.auth import create_token
     from fleetscope.server.serve import run_server
+    from fleetscope.webapp import create_web_app
 
     from .client import Client
 
@@ -115,4 +117,4 @@ def run_demo(settings: Settings, *, with_job: bool = True, small: bool = False, 
         if job is not None:
             job.stop()
 
-    run_server(settings, on_ready=on_ready, on_shutdown=on_shutdown)
+    run_server(settings, app_factory=create_web_app, on_ready=on_ready, on_shutdown=on_shutdown)

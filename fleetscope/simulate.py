@@ -101,7 +101,7 @@ def simulate(
     token: Annotated[Optional[str], typer.Option("--token", envvar="FLEETSCOPE_TOKEN")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     straggler: Annotated[Optional[str], typer.Option("--straggler", help="RANK[:FACTOR], e.g. 17:1.3")] = None,
-    gpu: Annotated[str, typer.Option("--gpu", help="device type (peak FLOP/s from metrics.md)")] = "H100",
+    gpu: Annotated[str, typer.Option("--gpu", help="device type (peak FLOP/s from docs/metrics.md)")] = "H100",
     step_ms: Annotated[Optional[float], typer.Option("--step-ms", min=1.0, help="median step time in ms")] = None,
     realtime: Annotated[bool, typer.Option("--realtime", help="emit steps at the step time, like a live job")] = False,
 ) -> None:

@@ -5,7 +5,7 @@ transport). Deterministic per seed. The model: every rank computes for ``compute
 MFU), loads data, has host overhead; collectives of the step take ``comm_total_s`` of which a
 share is overlapped with backward — and since training is synchronous, every rank also waits in
 the collectives for the slowest rank's extra work (a straggler shows up as everyone else's exposed
-comm, metrics.md "Stragglers"). Communication's share grows with the world size.
+comm, docs/metrics.md "Stragglers"). Communication's share grows with the world size.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .wire import RANK_STEP_FIELDS
 
 __all__ = ["Family", "FAMILIES", "RunSpec", "rank_step_rows", "collective_rows", "PEAK_FLOPS"]
 
-#: dense bf16 peak FLOP/s per device (metrics.md; vendor datasheets)
+#: dense bf16 peak FLOP/s per device (docs/metrics.md; vendor datasheets)
 PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2.25e15, "MI300X": 1307e12}
 
 

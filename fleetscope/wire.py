@@ -15,10 +15,12 @@ A batch is one JSON or msgpack object (optionally gzip-compressed) for one run::
     }
 
 Columnar sections are objects of equal-length arrays (a missing optional column means all null;
-``null`` inside an optional column means "not measured"). A numeric column may instead be sent as
+``null`` inside an optional column means "not measured"). The agent sends every column as a plain
+list (``agent/transport.py``, ``build_batch``). In msgpack, a numeric column may instead be sent as
 raw little-endian bytes (msgpack ``bin``): float columns as float64 (NaN = not measured), int
-columns as int64 — no per-value objects on either side; this is what the agent sends
-(:func:`columns_from_rows`). Instead of columns a batch may carry
+columns as int64 (no null: an int column with missing values goes as a list) — no per-value objects
+on either side; :func:`columns_from_rows` with ``binary=True`` builds them (the Python client's
+``ingest_rows`` and ``bench/ingest.py`` send them). Instead of columns a batch may carry
 ``"records": [{"kind": "rank_step", ...}, {"kind": "collective", ...}, ...]`` (row form, friendlier
 for scripts, slower; an event record names its own kind in ``"event"``); both forms may not be mixed.
 
@@ -68,7 +70,7 @@ class Field:
 RANK_STEP_FIELDS: tuple[Field, ...] = (
     Field("rank", "int", True, doc="global rank"),
     Field("step", "int", True, doc="training step index"),
-    Field("step_s", "float", True, doc="wall time of the step on this rank (metrics.md)"),
+    Field("step_s", "float", True, doc="wall time of the step on this rank (docs/metrics.md)"),
     Field("ts", "float", doc="unix time (s) the step started"),
     Field("data_s", "float", doc="blocked on the input pipeline"),
     Field("compute_s", "float", doc="forward + backward + optimizer (+ custom phases)"),
@@ -133,7 +135,7 @@ SECTIONS: dict[str, tuple[str, tuple[Field, ...]]] = {
 
 RECORD_KINDS: tuple[str, ...] = ("rank_step", "collective", "modality_tokens", "rank", "event")
 
-#: NCCL-tests bus-bandwidth factors (metrics.md); n = group size.
+#: NCCL-tests bus-bandwidth factors (docs/metrics.md); n = group size.
 BUSBW_FACTOR: dict[str, str] = {
     "all_reduce": "2(n-1)/n",
     "all_gather": "(n-1)/n",

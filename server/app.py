@@ -1,46 +1,39 @@
-"""The FastAPI application factory: ``create_app(settings)`` wires the store, ingest, API and dashboard."""
+"""The FastAPI application factory: ``create_app(settings)`` wires the store, ingest, compaction, alerts and API."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from sqlalchemy import Engine, text
+from sqlalchemy import text
 from sqlalchemy.exc import DataError
 
 from fleetscope import __version__
-from fleetscope.settings import Settings
 
+from .alerts import AlertWorker
+from .analysis.rollups import fold_rank_rollups
 from .auth import TokenVerifier
 from .compactor import CompactionResult, Compactor
 from .db import make_engine, upgrade
 from .ingest import IngestService
 from .metrics import ServiceMetrics
+from .notifier import Notifier
+from .routes import alerts, benchmarks, health, ingest, runs, traces
+from .settings import Settings
+from .state import AppState
 
-__all__ = ["create_app", "AppState"]
+__all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class AppState:
-    settings: Settings
-    engine: Engine
-    ingest: IngestService
-    compactor: Compactor
-    tokens: TokenVerifier
-    metrics: ServiceMetrics
-    ready: bool = False
-
-
-def _live_sample(state_ref: dict[str, Any]) -> dict[str, Any]:
-    st: AppState | None = state_ref.get("state")
+def _live_sample(app: FastAPI) -> dict[str, Any]:
+    st: AppState | None = getattr(app.state, "fs", None)
     if st is None:
         return {}
     pool = st.engine.pool
@@ -63,58 +56,71 @@ def _live_sample(state_ref: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _build_state(settings: Settings, url: str, app: FastAPI) -> AppState:
+    """Every part of the server, wired explicitly: store, ingest, compaction (+ the straggler rollup
+    fold), token checks, metrics, and regression detection with its notifier."""
+    engine = make_engine(url, pool_size=settings.pool_size)
+    metrics = ServiceMetrics(lambda: _live_sample(app))
+    ingest_service = IngestService(
+        engine,
+        concurrency=settings.ingest_concurrency,
+        queue=settings.ingest_queue,
+        backlog_max_rows=settings.backlog_max_rows,
+        max_batch_records=settings.max_batch_records,
+    )
+    notifier = Notifier(slack_webhook_url=settings.slack_webhook_url, webhook_url=settings.alert_webhook_url)
+    public = settings.public_url or f"http://{settings.host}:{settings.port}"
+    worker = AlertWorker(engine, notifier=notifier, public_url=public, interval_s=settings.alert_interval_s,
+                         step_check_interval_s=settings.alert_step_check_interval_s)
+
+    def on_pass(res: CompactionResult) -> None:
+        ingest_service.backlog_rows = res.backlog_rows
+        if res.steps:
+            metrics.compaction_seconds.observe(res.seconds)
+            metrics.compacted.labels("rank_step").inc(res.rank_steps)
+            metrics.compacted.labels("collective").inc(res.collectives)
+            metrics.duplicates.inc(res.duplicates)
+            if res.runs:
+                worker.poke(runs=res.runs)  # newly compacted steps: look for regressions in those runs
+
+    compactor = Compactor(engine, grace_s=settings.compact_grace_s, on_pass=on_pass)
+    compactor.folds.append(fold_rank_rollups)
+    return AppState(settings=settings, engine=engine, ingest=ingest_service, compactor=compactor,
+                    tokens=TokenVerifier(engine), metrics=metrics, notifier=notifier, alerts=worker)
+
+
 def create_app(settings: Settings, *, database_url: str | None = None, start_background: bool = True) -> FastAPI:
-    """Build the app. ``database_url`` must be resolved already (embedded Postgres is the CLI's job)."""
+    """The API server (ingest, read API, /healthz, /metrics). ``database_url`` must be resolved already
+    (embedded Postgres is the CLI's job); the dashboard is mounted by the caller (``fleetscope.webapp``)."""
     url = database_url or settings.database_url
     if not url:
         raise ValueError("create_app needs a database URL (the CLI starts embedded Postgres and passes it)")
-    state_ref: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.migrate:
             upgrade(url)
-        engine = make_engine(url, pool_size=settings.pool_size)
-        metrics = ServiceMetrics(lambda: _live_sample(state_ref))
-        ingest = IngestService(
-            engine,
-            concurrency=settings.ingest_concurrency,
-            queue=settings.ingest_queue,
-            backlog_max_rows=settings.backlog_max_rows,
-            max_batch_records=settings.max_batch_records,
-        )
-
-        def on_pass(res: CompactionResult) -> None:
-            ingest.backlog_rows = res.backlog_rows
-            if res.steps:
-                metrics.compaction_seconds.observe(res.seconds)
-                metrics.compacted.labels("rank_step").inc(res.rank_steps)
-                metrics.compacted.labels("collective").inc(res.collectives)
-                metrics.duplicates.inc(res.duplicates)
-
-        compactor = Compactor(engine, grace_s=settings.compact_grace_s, on_pass=on_pass)
-        state = AppState(settings, engine, ingest, compactor, TokenVerifier(engine), metrics)
+        state = _build_state(settings, url, app)
         app.state.fs = state
-        state_ref["state"] = state
-        from .analysis.service import start_analysis
-
-        stop_analysis = start_analysis(state, start_background=start_background)
         if settings.insecure_no_auth:
             log.warning("AUTH IS DISABLED (--insecure-no-auth): anyone who can reach this port can write data")
         if start_background:
-            compactor.start(settings.compact_interval_s)
+            state.compactor.start(settings.compact_interval_s)
+            if settings.alerts_enabled:
+                state.alerts.start()
         state.ready = True
         try:
             yield
         finally:
             state.ready = False
-            stop_analysis()
-            compactor.stop()
+            state.alerts.stop()
+            state.notifier.close()
+            state.compactor.stop()
             try:
-                compactor.run_once()
+                state.compactor.run_once()
             except Exception:  # noqa: BLE001 - shutdown must proceed; raw rows stay for the next start
                 log.exception("final compaction failed")
-            engine.dispose()
+            state.engine.dispose()
 
     app = FastAPI(
         title="fleetscope",
@@ -123,19 +129,9 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
         lifespan=lifespan,
     )
 
-    from .routes import benchmarks, health, ingest, runs, traces
-
     app.include_router(health.router)
-    app.include_router(ingest.router, prefix="/api/v1")
-    app.include_router(runs.router, prefix="/api/v1")
-    app.include_router(benchmarks.router, prefix="/api/v1")
-    app.include_router(traces.router, prefix="/api/v1")
-    try:
-        from .routes import alerts
-
-        app.include_router(alerts.router, prefix="/api/v1")
-    except ImportError:  # pragma: no cover
-        pass
+    for r in (ingest.router, runs.router, benchmarks.router, traces.router, alerts.router):
+        app.include_router(r, prefix="/api/v1")
 
     @app.exception_handler(DataError)
     @app.exception_handler(psycopg.DataError)
@@ -150,20 +146,4 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse({"detail": "internal error"}, status_code=500)
 
-    _mount_dashboard(app, state_ref)
     return app
-
-
-def _mount_dashboard(app: FastAPI, state_ref: dict[str, Any]) -> None:
-    """Mount the Dash app at / when the dashboard package provides one."""
-    try:
-        from fleetscope.dashboard.app import mount  # type: ignore[attr-defined]
-    except ImportError:
-        from fastapi.responses import HTMLResponse
-
-        @app.get("/", include_in_schema=False, response_class=HTMLResponse)
-        def _index() -> str:
-            return "<html><body><h1>fleetscope</h1><p>API: <a href='/docs'>/docs</a></p></body></html>"
-
-        return
-    mount(app, state_ref)

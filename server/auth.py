@@ -41,7 +41,9 @@ class TokenVerifier:
         self._cache: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def verify(self, authorization: str | None) -> bool:
+    def verify(self, authorization: str | None, *, scope: str = "ingest") -> bool:
+        """True when ``authorization`` is ``Bearer <token>`` of a stored, unrevoked token. Every token
+        holds every scope today (``scope`` is where scoped tokens plug in)."""
         if not authorization:
             return False
         scheme, _, token = authorization.partition(" ")

@@ -146,7 +146,7 @@ def run_steps(engine: Engine, run_id: int, columns: tuple[str, ...] | None = Non
 
 
 def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
-    """The run summary of contract.md: counts, decomposition (median over steps of the cross-rank
+    """The run summary of docs/api.md: counts, decomposition (median over steps of the cross-rank
     median), MFU, throughput, step-time percentiles; analysis lists filled by the analysis layer."""
     run = get_run(engine, run_id)
     if run is None:
@@ -197,7 +197,7 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
 
 
 def run_collectives(engine: Engine, run_id: int) -> list[dict[str, Any]]:
-    """Collectives of a run by (op, group size, message-size bucket) with algbw/busbw (metrics.md)."""
+    """Collectives of a run by (op, group size, message-size bucket) with algbw/busbw (docs/metrics.md)."""
     with engine.connect() as c:
         rows = c.execute(
             text(

@@ -270,7 +270,7 @@ def rank_heatmap(
 
 def rank_slowdown(engine: Engine, run_id: int) -> dict[str, Any] | None:
     """Per-rank ``slowdown`` = median over steps of (rank work_s / median work_s of the step)
-    (metrics.md "Stragglers"), plus the per-node median of its ranks' slowdowns."""
+    (docs/metrics.md "Stragglers"), plus the per-node median of its ranks' slowdowns."""
     m = rank_matrices(engine, run_id)
     if m is None:
         return None

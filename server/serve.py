@@ -6,24 +6,29 @@ import logging
 import threading
 from collections.abc import Callable
 
-from fleetscope.settings import Settings
+from fastapi import FastAPI
 
 from .app import create_app
 from .db import resolve_database_url
+from .settings import Settings
 
 __all__ = ["run_server"]
 
 log = logging.getLogger(__name__)
 
 
-def run_server(settings: Settings, *, on_ready: Callable[[str, object], None] | None = None,
+def run_server(settings: Settings, *, app_factory: Callable[..., FastAPI] = create_app,
+               on_ready: Callable[[str, FastAPI], None] | None = None,
                on_shutdown: Callable[[], None] | None = None) -> None:
-    """Serve until SIGINT/SIGTERM; ``on_ready(base_url, app)`` runs in a thread once /healthz is up."""
+    """Serve until SIGINT/SIGTERM; ``on_ready(base_url, app)`` runs in a thread once /healthz is up.
+
+    ``app_factory(settings, database_url=...)`` builds the app: the API alone by default; the CLI
+    passes ``fleetscope.webapp.create_web_app`` (API + dashboard)."""
     import uvicorn
 
     url, pg = resolve_database_url(settings.database_url, settings.data_dir)
     try:
-        app = create_app(settings, database_url=url)
+        app = app_factory(settings, database_url=url)
         config = uvicorn.Config(
             app, host=settings.host, port=settings.port, log_level="info", lifespan="on",
             timeout_graceful_shutdown=10, access_log=False,

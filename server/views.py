@@ -1,7 +1,7 @@
 """Page data for the dashboard: batched and downsampled reads on top of the query layer.
 
 The dashboard never issues SQL itself; it calls these functions (and ``queries``), so every number
-it shows comes from the same definitions (metrics.md) as the JSON API. Large series are reduced
+it shows comes from the same definitions (docs/metrics.md) as the JSON API. Large series are reduced
 here, and each result says by how much (``factor``: source points per plotted point).
 """
 
@@ -118,7 +118,7 @@ def cached(name: str, engine: Engine, run_id: int, fn: Any) -> Any:
 
 
 def amdahl_ranking(decomposition: dict[str, float | None], straggler_wait_s: float | None = None) -> list[dict[str, Any]]:
-    """Components ranked by their Amdahl ceiling 1/(1-p), p = share of the step (metrics.md).
+    """Components ranked by their Amdahl ceiling 1/(1-p), p = share of the step (docs/metrics.md).
 
     The straggler wait is the part of exposed comm spent waiting for the slowest rank, so it is split
     out of exposed comm (the shares then add up to the step)."""

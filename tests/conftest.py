@@ -125,15 +125,15 @@ class LiveServer:
 def start_server(db_url: str, **overrides: Any) -> LiveServer:
     """Start the real app with uvicorn in a thread on a free loopback port."""
     import uvicorn
-    from fleetscope.server.app import create_app
     from fleetscope.server.auth import create_token
+    from fleetscope.server.settings import Settings
 
-    from fleetscope.settings import Settings
+    from fleetscope.webapp import create_web_app
 
     params: dict[str, Any] = {"database_url": db_url, "compact_interval_s": 0.2, "compact_grace_s": 1.0}
     params.update(overrides)
     settings = Settings(**params)
-    app = create_app(settings)
+    app = create_web_app(settings)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

@@ -2,8 +2,8 @@
 
 ``reduce_traces(dir_or_files)`` streams each rank's trace (bounded memory) and returns per-rank
 summaries: temporal breakdown, comm/compute overlap, idle-time breakdown, kernel types and top
-kernels, the per-ProfilerStep decomposition of metrics.md, and late-start stragglers across ranks.
-Formulas: shared/data/kineto/TRACE_FORMULAS.md; design and measurements: docs/traces.md.
+kernels, the per-ProfilerStep decomposition of docs/metrics.md, and late-start stragglers across ranks.
+Formulas: tests/data/kineto/TRACE_FORMULAS.md; design and measurements: docs/traces.md.
 
 Importing this package is light (stdlib only); ijson and numpy load when a trace is reduced.
 """

@@ -1,4 +1,4 @@
-"""metrics.md's exact per-step decomposition from a trace: every instant of a ProfilerStep gets one
+"""docs/metrics.md's exact per-step decomposition from a trace: every instant of a ProfilerStep gets one
 label (compute > exposed communication > data > other), on the GPU timeline, or on the CPU
 timeline for traces without GPU events."""
 
@@ -19,7 +19,7 @@ _HTOD_PREFIXES = ("Memcpy HtoD", "hipMemcpyHtoD")
 
 
 def steps_gpu(k: Kept) -> list[dict[str, Any]]:
-    """Per ProfilerStep, metrics.md's exact decomposition on the GPU timeline.
+    """Per ProfilerStep, docs/metrics.md's exact decomposition on the GPU timeline.
 
     The step is the ProfilerStep's wall-clock interval (Kineto puts CPU and GPU on one clock); every
     instant of it gets one label, by priority: compute (a non-communication kernel, memcpy or memset

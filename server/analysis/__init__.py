@@ -1,4 +1,4 @@
-"""Analysis: bottlenecks, stragglers, scaling, regressions (metrics.md).
+"""Analysis: bottlenecks, stragglers, scaling, regressions (docs/metrics.md).
 
 Public functions (engine first, then keyword arguments; docs/analysis.md has the signatures).
 Imported lazily, so ``fleetscope.server.analysis.cli`` stays light for the command line.

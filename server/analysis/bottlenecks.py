@@ -1,4 +1,4 @@
-"""Bottleneck attribution (metrics.md): each component's share of step time and its Amdahl ceiling.
+"""Bottleneck attribution (docs/metrics.md): each component's share of step time and its Amdahl ceiling.
 
 Per step, from the cross-rank medians of the ``steps`` rollup: data, compute, other, exposed comm
 and straggler wait (max work − median work over ranks). In a synchronous job the median rank does

@@ -1,4 +1,4 @@
-"""Collective efficiency (metrics.md): busbw per op × group size × message size against the link peak.
+"""Collective efficiency (docs/metrics.md): busbw per op × group size × message size against the link peak.
 
 busbw follows NCCL-tests (``fleetscope.wire.busbw_factor``). The peak is the group's slowest link,
 taken from the topology the run declares in its ``meta`` or ``config`` under ``"topology"``::

@@ -1,4 +1,4 @@
-"""Goodput (metrics.md): the share of a run's wall time spent in productive steps.
+"""Goodput (docs/metrics.md): the share of a run's wall time spent in productive steps.
 
 Wall time runs from the run's start to its end (``finished_at``, else the last step's end).
 Productive time is the sum over steps of the median rank's step time minus its data wait. Badput:

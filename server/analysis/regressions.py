@@ -1,4 +1,4 @@
-"""Regression detection (metrics.md "Regressions") on three kinds of series, with one detector.
+"""Regression detection (docs/metrics.md "Regressions") on three kinds of series, with one detector.
 
 - ``run_series``: a summary metric of comparable runs (same family, config signature, device
   type, world size) ordered by start time — tokens/s/GPU when the runs report tokens, else step time;
@@ -217,7 +217,7 @@ STRAGGLER_MIN_STEPS = 10  # a straggler alert needs this many compacted steps (n
 
 
 def straggler_finding(engine: Engine, run_id: int) -> Regression | None:
-    """A run with persistent stragglers (metrics.md): one alert per run naming the worst rank or node."""
+    """A run with persistent stragglers (docs/metrics.md): one alert per run naming the worst rank or node."""
     from .stragglers import run_stragglers
 
     rep = run_stragglers(engine, run_id)

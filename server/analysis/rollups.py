@@ -32,7 +32,7 @@ __all__ = [
     "work_ratio_stats",
 ]
 
-THRESHOLD = 1.05  # metrics.md: default straggler threshold on the work ratio
+THRESHOLD = 1.05  # docs/metrics.md: default straggler threshold on the work ratio
 WINDOW_STEPS = 100  # steps per window for persistence (a few minutes at 1 step/s)
 HIST_LO = -0.2  # ln ratio of the first bin's lower edge (ratio 0.82)
 HIST_BW = 0.01  # bin width in ln ratio (1 %)

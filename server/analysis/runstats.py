@@ -89,7 +89,7 @@ def _derive(run: dict[str, Any], a: dict[str, Any]) -> dict[str, Any]:
     shares = None
     if total > 0:
         # a synchronous job waits for the slowest rank inside the collectives: that wait is carved out
-        # of exposed comm and shown as its own component (metrics.md "Bottleneck attribution")
+        # of exposed comm and shown as its own component (docs/metrics.md "Bottleneck attribution")
         wait_in = min(wait, exposed)
         shares = {
             "data": (_num(a.get("sum_data_s")) or 0.0) / total,

@@ -1,6 +1,6 @@
 """Scaling per model family and configuration, and cross-run comparison in normalised units.
 
-Scaling (metrics.md): the runs of one family whose configs match once the size-dependent keys are
+Scaling (docs/metrics.md): the runs of one family whose configs match once the size-dependent keys are
 left out (``runstats.scaling_signature``) and that share a device type form one curve. Weak scaling
 (per-device batch fixed): efficiency(n) = (throughput(n)/n) / (throughput(n0)/n0); strong scaling
 (global batch fixed): efficiency(n) = step_s(n0)·n0 / (step_s(n)·n). The mode is read from the data:

@@ -1,4 +1,4 @@
-"""Stragglers (metrics.md): found by the work a rank does before it arrives, never by step time.
+"""Stragglers (docs/metrics.md): found by the work a rank does before it arrives, never by step time.
 
 ``work_s = step_s - comm_exposed_s``. Per step: skew = max work / median work, the slowest rank.
 Per rank: slowdown = median over steps of (rank work / the step's median work). A rank is a

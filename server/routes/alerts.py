@@ -4,24 +4,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Query, Request
+from fastapi import APIRouter, HTTPException, Path, Query
 from starlette.concurrency import run_in_threadpool
 
 from .. import alerts as alert_store
-from ..deps import State
+from ..deps import AdminAuth, State
 from ..schemas import AlertsResponse
 
 router = APIRouter(tags=["alerts"])
 
 AlertId = Annotated[int, Path(ge=1, le=2**31 - 1, description="alert id")]
 RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
-
-
-def _require_token(request: Request, st: Any) -> None:
-    if st.settings.insecure_no_auth:
-        return
-    if not st.tokens.verify(request.headers.get("authorization")):
-        raise HTTPException(status_code=401, detail="missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
 
 
 @router.get("/alerts", response_model=AlertsResponse, summary="Alerts, newest first")
@@ -43,22 +36,21 @@ def get_alert(alert_id: AlertId, st: State) -> dict[str, Any]:
     return a
 
 
-def _transition(alert_id: int, request: Request, st: Any, state: str) -> dict[str, Any]:
-    _require_token(request, st)
+def _transition(alert_id: int, st: State, state: str) -> dict[str, Any]:
     a = alert_store.set_state(st.engine, alert_id, state)
     if a is None:
         raise HTTPException(status_code=404, detail=f"alert {alert_id} not found")
     return a
 
 
-@router.post("/alerts/{alert_id}/ack", summary="Acknowledge a firing alert (it stays active)")
-def post_ack(alert_id: AlertId, request: Request, st: State) -> dict[str, Any]:
-    return _transition(alert_id, request, st, "acknowledged")
+@router.post("/alerts/{alert_id}/ack", dependencies=[AdminAuth], summary="Acknowledge a firing alert (it stays active)")
+def post_ack(alert_id: AlertId, st: State) -> dict[str, Any]:
+    return _transition(alert_id, st, "acknowledged")
 
 
-@router.post("/alerts/{alert_id}/resolve", summary="Resolve an alert by hand (the same regression is not raised again)")
-def post_resolve(alert_id: AlertId, request: Request, st: State) -> dict[str, Any]:
-    return _transition(alert_id, request, st, "resolved")
+@router.post("/alerts/{alert_id}/resolve", dependencies=[AdminAuth], summary="Resolve an alert by hand (the same regression is not raised again)")
+def post_resolve(alert_id: AlertId, st: State) -> dict[str, Any]:
+    return _transition(alert_id, st, "resolved")
 
 
 @router.get("/runs/{run_id}/check", tags=["regressions"],

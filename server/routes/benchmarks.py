@@ -7,11 +7,11 @@ import json
 import math
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Query, Request
+from fastapi import APIRouter, HTTPException, Path, Query
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import text
 
-from ..deps import State
+from ..deps import IngestAuth, State
 
 router = APIRouter(tags=["benchmarks"])
 
@@ -72,11 +72,8 @@ def _params_key(params: dict[str, Any]) -> str:
     return json.dumps(params, sort_keys=True, separators=(",", ":"), default=str)[:256]
 
 
-@router.post("/benchmarks", summary="Record benchmark points (series keyed by name, cluster, params)")
-def post_benchmarks(batch: BenchmarkBatch, request: Request, st: State) -> dict[str, Any]:
-    from .alerts import _require_token
-
-    _require_token(request, st)
+@router.post("/benchmarks", dependencies=[IngestAuth], summary="Record benchmark points (series keyed by name, cluster, params)")
+def post_benchmarks(batch: BenchmarkBatch, st: State) -> dict[str, Any]:
     now = dt.datetime.now(dt.timezone.utc)
     ids: list[int] = []
     with st.engine.begin() as c:
@@ -97,9 +94,7 @@ def post_benchmarks(batch: BenchmarkBatch, request: Request, st: State) -> dict[
                 {"s": sid, "t": ts, "v": p.value, "g": p.git_commit},
             )
             ids.append(int(sid))
-    worker = getattr(st, "alerts", None)
-    if worker is not None:
-        worker.poke(benchmark_series=ids)
+    st.alerts.poke(benchmark_series=ids)
     return {"series": sorted(set(ids)), "points": len(batch.points)}
 
 

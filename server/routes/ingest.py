@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 
-from ..deps import State
+from ..deps import IngestAuth, State
 from ..ingest import Overloaded, decode_body
 from ..schemas import INGEST_BODY_SCHEMA, IngestResponse
 from ..validate import BatchError
@@ -30,6 +30,7 @@ def _error(st: Any, status: int, detail: Any, headers: dict[str, str] | None = N
 
 @router.post(
     "/ingest",
+    dependencies=[IngestAuth],
     response_model=IngestResponse,
     summary="Ingest a batch of rank-step, collective, modality, rank and event records",
     openapi_extra={
@@ -53,10 +54,6 @@ def _error(st: Any, status: int, detail: Any, headers: dict[str, str] | None = N
 )
 async def ingest(request: Request, st: State) -> Any:
     t0 = time.perf_counter()
-    if not st.settings.insecure_no_auth:
-        ok = await run_in_threadpool(st.tokens.verify, request.headers.get("authorization"))
-        if not ok:
-            return _error(st, 401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
     limit = st.settings.max_body_bytes
     clen = request.headers.get("content-length")
     if clen is not None:

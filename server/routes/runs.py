@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Query, Request
+from fastapi import APIRouter, HTTPException, Path, Query
 from starlette.concurrency import run_in_threadpool
 
 from .. import queries
-from ..deps import State
+from ..deps import IngestAuth, State
 from ..runs import RunFinish, RunRegistration, finish_run, register_run
 from ..schemas import RunsResponse, SummaryResponse
 
@@ -17,24 +17,15 @@ router = APIRouter(tags=["runs"])
 RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
 
 
-def _require_token(request: Request, st: Any) -> None:
-    if st.settings.insecure_no_auth:
-        return
-    if not st.tokens.verify(request.headers.get("authorization")):
-        raise HTTPException(status_code=401, detail="missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
-
-
-@router.post("/runs", summary="Register a run (idempotent by name; every rank may call it)")
-def post_run(reg: RunRegistration, request: Request, st: State) -> dict[str, Any]:
-    _require_token(request, st)
+@router.post("/runs", dependencies=[IngestAuth], summary="Register a run (idempotent by name; every rank may call it)")
+def post_run(reg: RunRegistration, st: State) -> dict[str, Any]:
     out = register_run(st.engine, reg)
     st.ingest.forget_run(out["id"])
     return out
 
 
-@router.post("/runs/{run_id}/finish", summary="Mark a run finished/failed/aborted")
-def post_finish(run_id: RunId, body: RunFinish, request: Request, st: State) -> dict[str, Any]:
-    _require_token(request, st)
+@router.post("/runs/{run_id}/finish", dependencies=[IngestAuth], summary="Mark a run finished/failed/aborted")
+def post_finish(run_id: RunId, body: RunFinish, st: State) -> dict[str, Any]:
     if not finish_run(st.engine, run_id, body.status, body.finished_at):
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
     return {"id": run_id, "status": body.status}
@@ -60,7 +51,7 @@ def get_run(run_id: RunId, st: State) -> dict[str, Any]:
     return run
 
 
-@router.get("/runs/{run_id}/summary", response_model=SummaryResponse, summary="Run summary (metrics.md)")
+@router.get("/runs/{run_id}/summary", response_model=SummaryResponse, summary="Run summary (docs/metrics.md)")
 def get_summary(run_id: RunId, st: State) -> Any:
     s = queries.run_summary(st.engine, run_id)
     if s is None:

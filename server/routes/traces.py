@@ -5,13 +5,12 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Request
+from fastapi import APIRouter, HTTPException, Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from .. import queries
-from ..deps import State
+from ..deps import IngestAuth, State
 from ..traces_store import SET_RANK, run_traces, save_traces
-from .runs import _require_token
 
 router = APIRouter(tags=["traces"])
 
@@ -98,10 +97,10 @@ def _rows(body: TraceUpload) -> list[tuple[int, str, dict[str, Any]]]:
 
 
 @router.post(
-    "/runs/{run_id}/traces", response_model=TracesStored, summary="Attach reduced Kineto traces to a run"
+    "/runs/{run_id}/traces", response_model=TracesStored, dependencies=[IngestAuth],
+    summary="Attach reduced Kineto traces to a run",
 )
-def post_traces(run_id: RunId, body: TraceUpload, request: Request, st: State) -> Any:
-    _require_token(request, st)
+def post_traces(run_id: RunId, body: TraceUpload, st: State) -> Any:
     if queries.get_run(st.engine, run_id) is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
     rows = _rows(body)

@@ -1,4 +1,4 @@
-"""``fleetscope import-trace``: the --json shape of contract.md (subprocess, the installed command),
+"""``fleetscope import-trace``: the --json shape of docs/cli.md (subprocess, the installed command),
 and --server against the real server: run resolved or registered by name, idempotent re-import,
 read back through the API and ``traces_store.run_traces``."""
 

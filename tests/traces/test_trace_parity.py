@@ -154,7 +154,7 @@ def test_ranks_come_from_distributed_info_not_file_names(trace_set: str) -> None
 @pytest.mark.parametrize("trace_set", SETS)
 @pytest.mark.parametrize("mode", MODES)
 def test_step_decomposition_is_exact_and_tiles_each_step(trace_set: str, mode: str) -> None:
-    """metrics.md: step = data + compute + exposed comm + other, none negative; exposed ≤ total comm."""
+    """docs/metrics.md: step = data + compute + exposed comm + other, none negative; exposed ≤ total comm."""
     for s in reduced(trace_set, mode)["ranks"].values():
         assert s["steps"], s["source"]
         assert [st["step"] for st in s["steps"]] == s["profiler_steps"]

@@ -1,15 +1,15 @@
-"""Server settings: one pydantic-settings class, built by a cached function, injected (never at import)."""
+"""Server settings: one pydantic-settings class (FLEETSCOPE_<NAME> environment variables), built by the CLI
+and passed to `create_app` — never created at import time."""
 
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "get_settings", "default_data_dir"]
+__all__ = ["Settings", "default_data_dir"]
 
 
 def default_data_dir() -> Path:
@@ -44,9 +44,3 @@ class Settings(BaseSettings):
     alerts_enabled: bool = Field(default=True, description="run regression detection after compaction passes")
     alert_interval_s: float = Field(default=5.0, description="at most one detection pass this often")
     alert_step_check_interval_s: float = Field(default=60.0, description="within-run detection per running run")
-
-
-@lru_cache(maxsize=1)
-def get_settings() -> Settings:
-    """The process's settings from the environment."""
-    return Settings()

@@ -147,7 +147,7 @@ class Bench:
         self.url = f"http://127.0.0.1:{port}"
         self.state = self.app.state.fs
         self.engine = self.state.engine
-        self.token = create_token(self.engine, "bench")
+        self.token = create_token(self.engine, "bench", scope="admin", replace=True)
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -131,7 +131,7 @@ def main() -> None:
         from fleetscope.server.db import make_engine
 
         eng = make_engine(url, pool_size=1)
-        token = create_token(eng, "bench")
+        token = create_token(eng, "bench", scope="admin", replace=True)
         eng.dispose()
 
         # --- reference: raw COPY of the same rows into row tables (then dropped)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional, TypeVar
 
 import typer
 
@@ -40,6 +41,17 @@ def _settings(**overrides: object):  # type: ignore[no-untyped-def]
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 @app.command()
 def serve(
     host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
@@ -50,16 +62,32 @@ def serve(
     insecure_no_auth: Annotated[
         bool, typer.Option("--insecure-no-auth", help="accept ingest without a token (DANGEROUS)")
     ] = False,
+    read_auth: Annotated[
+        bool, typer.Option("--read-auth", help="the read API, dashboard, /metrics and /docs need a read token")
+    ] = False,
+    allow_public_reads: Annotated[
+        bool, typer.Option("--allow-public-reads",
+                           help="serve a non-loopback address without --read-auth (anyone who reaches it reads)")
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run the API, the dashboard and /metrics in one process (embedded Postgres without a URL)."""
     _setup_logging(verbose)
     settings = _settings(
         host=host, port=port, database_url=database_url, data_dir=data_dir, migrate=not no_migrate,
-        insecure_no_auth=insecure_no_auth or None,
+        insecure_no_auth=insecure_no_auth or None, read_auth=read_auth or None,
+        allow_public_unauthenticated=allow_public_reads or None,
     )
     if settings.insecure_no_auth:
         typer.secho("WARNING: authentication is DISABLED (--insecure-no-auth)", fg="red", bold=True, err=True)
+    if not _is_loopback(settings.host) and not settings.read_auth:
+        if not settings.allow_public_unauthenticated:
+            typer.secho(f"error: --host {settings.host} is reachable from other machines and reads are open: add "
+                        "--read-auth (reads need a read token), or --allow-public-reads to serve them openly",
+                        fg="red", err=True)
+            raise typer.Exit(2)
+        typer.secho(f"WARNING: serving {settings.host} with open reads (--allow-public-reads): anyone who can reach "
+                    "this port reads every run", fg="red", bold=True, err=True)
     from fleetscope.server.serve import run_server
     from fleetscope.webapp import create_web_app
 
@@ -99,14 +127,11 @@ def db_upgrade(database_url: DatabaseUrl = None, data_dir: DataDir = None) -> No
             pg.stop()
 
 
-@token_app.command("create")
-def token_create(
-    name: Annotated[str, typer.Option("--name", help="what the token is for")],
-    database_url: DatabaseUrl = None,
-    data_dir: DataDir = None,
-) -> None:
-    """Create an API token; prints it as the last line (only its hash is stored)."""
-    from fleetscope.server.auth import create_token
+_T = TypeVar("_T")
+
+
+def _with_engine(database_url: str | None, data_dir: Path | None, fn: Callable[[Any], _T]) -> _T:
+    """Run ``fn(engine)`` on the configured database (embedded Postgres started and stopped around it)."""
     from fleetscope.server.db import make_engine, resolve_database_url, upgrade
 
     settings = _settings(database_url=database_url, data_dir=data_dir)
@@ -115,14 +140,67 @@ def token_create(
         upgrade(url)
         engine = make_engine(url, pool_size=1)
         try:
-            token = create_token(engine, name)
+            return fn(engine)
         finally:
             engine.dispose()
     finally:
         if pg:
             pg.stop()
-    typer.echo(f"created token {name!r} (store it now: it is not shown again)", err=True)
+
+
+@token_app.command("create")
+def token_create(
+    name: Annotated[str, typer.Option("--name", help="what the token is for (unique among active tokens)")],
+    scope: Annotated[str, typer.Option("--scope", help="ingest (write run data), read (read API/dashboard) or admin")]
+    = "ingest",
+    expires_in: Annotated[Optional[float], typer.Option("--expires-in", help="days until it expires (default: never)")]
+    = None,
+    database_url: DatabaseUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Create an API token; prints it as the last line (only its hash is stored)."""
+    from fleetscope.server.auth import TokenError, create_token
+
+    try:
+        token = _with_engine(database_url, data_dir,
+                             lambda e: create_token(e, name, scope=scope, expires_in_days=expires_in))
+    except TokenError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"created {scope} token {name!r} (store it now: it is not shown again)", err=True)
     typer.echo(token)
+
+
+@token_app.command("list")
+def token_list(database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
+    """List tokens: name, scope, state, created, last used, expiry (never the secret)."""
+    from fleetscope.server.auth import list_tokens
+
+    rows = _with_engine(database_url, data_dir, list_tokens)
+
+    def ts(v: Any) -> str:
+        return v.strftime("%Y-%m-%d %H:%M") if v is not None else "-"
+
+    typer.echo(f"{'NAME':<24} {'SCOPE':<7} {'STATE':<8} {'PREFIX':<9} {'CREATED':<17} {'LAST USED':<17} EXPIRES")
+    for r in rows:
+        typer.echo(f"{r['name'][:24]:<24} {r['scope']:<7} {r['state']:<8} {r['prefix']:<9} {ts(r['created_at']):<17} "
+                   f"{ts(r['last_used_at']):<17} {ts(r['expires_at'])}")
+
+
+@token_app.command("revoke")
+def token_revoke(
+    name: Annotated[str, typer.Argument(help="name of the token to revoke")],
+    database_url: DatabaseUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Revoke a token by name: every server instance refuses it from the next request on."""
+    from fleetscope.server.auth import revoke_token
+
+    n = _with_engine(database_url, data_dir, lambda e: revoke_token(e, name))
+    if not n:
+        typer.echo(f"error: no active token named {name!r}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"revoked {n} token(s) named {name!r}")
 
 
 @app.command()

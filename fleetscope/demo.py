@@ -99,7 +99,7 @@ def run_demo(settings: Settings, *, with_job: bool = True, small: bool = False, 
     state: dict[str, Any] = {}
 
     def on_ready(base: str, app: Any) -> None:
-        token = create_token(app.state.fs.engine, "demo")
+        token = create_token(app.state.fs.engine, "demo", replace=True)
         with Client(base, token) as c:
             print(f"fleetscope demo: loading the synthetic fleet history into {base} ...", flush=True)
             n = load_history(c, fleet_history(small=small))

@@ -11,7 +11,8 @@ import psycopg
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from fleetscope import __version__
 
@@ -20,6 +21,7 @@ from .analysis.rollups import fold_rank_rollups
 from .auth import TokenVerifier
 from .compactor import CompactionResult, Compactor
 from .db import make_engine, upgrade
+from .edge import EdgeMiddleware
 from .ingest import IngestService
 from .metrics import ServiceMetrics
 from .notifier import Notifier
@@ -129,6 +131,7 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
         lifespan=lifespan,
     )
 
+    app.add_middleware(EdgeMiddleware, settings=settings, get_state=lambda: getattr(app.state, "fs", None))
     app.include_router(health.router)
     for r in (ingest.router, runs.router, benchmarks.router, traces.router, alerts.router):
         app.include_router(r, prefix="/api/v1")
@@ -140,6 +143,15 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
         # a 422 naming the problem, never a 500
         msg = str(getattr(exc, "orig", None) or exc).splitlines()[0][:200]
         return JSONResponse({"detail": f"invalid value: {msg}"}, status_code=422)
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(psycopg.OperationalError)
+    @app.exception_handler(PoolTimeout)
+    async def _db_down(request: Request, exc: Exception) -> JSONResponse:
+        # Postgres unreachable or restarting: the client should come back, not see a server error
+        log.warning("database unavailable on %s %s: %s", request.method, request.url.path, type(exc).__name__)
+        return JSONResponse({"detail": "database unavailable; retry later"}, status_code=503,
+                            headers={"Retry-After": "2"})
 
     @app.exception_handler(Exception)
     async def _unhandled(request: Request, exc: Exception) -> JSONResponse:  # pragma: no cover - last resort

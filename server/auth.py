@@ -1,68 +1,155 @@
-"""API tokens: generated once, stored as SHA-256 hashes, compared in constant time, never logged."""
+"""API tokens: generated once, stored as SHA-256 hashes, compared in constant time, never logged.
+
+A token has a scope (``ingest`` writes run data; ``read`` reads the API and dashboard when read auth
+is on; ``admin`` does both and administers: alerts, other tokens' runs, deletes), an optional expiry,
+and is revoked by name. Every request checks the database (a primary-key lookup), so a revocation
+holds at once on every server instance; ``last_used_at`` is written at most once a minute per token.
+"""
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import hmac
 import secrets
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import Engine, text
 
-__all__ = ["create_token", "TokenVerifier", "hash_token"]
+__all__ = ["SCOPES", "Principal", "create_token", "list_tokens", "revoke_token", "TokenVerifier", "hash_token",
+           "TokenError"]
 
 _PREFIX = "fs_"
+SCOPES = ("ingest", "read", "admin")
+_LAST_USED_EVERY_S = 60.0
+
+
+class TokenError(ValueError):
+    """A token operation that cannot be done (bad name or scope, a name already in use)."""
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a request acts as: a token's id, name and scope."""
+
+    token_id: int | None
+    name: str
+    scope: str
+
+    def allows(self, scope: str) -> bool:
+        """``admin`` holds every scope; ``ingest`` and ``read`` only their own."""
+        return self.scope == "admin" or self.scope == scope
+
+
+#: the principal of a server started with --insecure-no-auth
+ANONYMOUS_ADMIN = Principal(None, "anonymous (auth disabled)", "admin")
 
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def create_token(engine: Engine, name: str) -> str:
-    """Create a token named ``name``; returns the secret (shown once, only its hash is stored)."""
-    if not name or len(name) > 128:
-        raise ValueError("token name must be 1..128 characters")
+def _check_name(name: str) -> None:
+    if not name or len(name) > 128 or not name.isprintable():
+        raise TokenError("token name must be 1..128 printable characters")
+
+
+def create_token(engine: Engine, name: str, *, scope: str = "ingest", expires_in_days: float | None = None,
+                 replace: bool = False) -> str:
+    """Create a token named ``name``; returns the secret (shown once, only its hash is stored).
+
+    A name is held by one active token at a time: ``replace=True`` revokes the one holding it."""
+    _check_name(name)
+    if scope not in SCOPES:
+        raise TokenError(f"scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+    if expires_in_days is not None and not (0 < expires_in_days <= 3650):
+        raise TokenError("--expires-in must be between 0 and 3650 days")
     token = _PREFIX + secrets.token_urlsafe(32)
     with engine.begin() as c:
+        c.execute(text("SELECT pg_advisory_xact_lock(hashtext('fleetscope.api_tokens.' || :n))"), {"n": name})
+        active = c.execute(text("SELECT count(*) FROM api_tokens WHERE name = :n AND revoked_at IS NULL "
+                                "AND (expires_at IS NULL OR expires_at > now())"), {"n": name}).scalar_one()
+        if active and not replace:
+            raise TokenError(f"an active token named {name!r} exists; revoke it first (fleetscope token revoke)")
+        if active:
+            c.execute(text("UPDATE api_tokens SET revoked_at = now() WHERE name = :n AND revoked_at IS NULL"),
+                      {"n": name})
         c.execute(
-            text("INSERT INTO api_tokens (name, token_hash, prefix) VALUES (:n, :h, :p)"),
-            {"n": name, "h": hash_token(token), "p": token[:8]},
+            text("INSERT INTO api_tokens (name, token_hash, prefix, scope, expires_at) "
+                 "VALUES (:n, :h, :p, :s, now() + make_interval(secs => :e))"),
+            {"n": name, "h": hash_token(token), "p": token[:8], "s": scope,
+             "e": None if expires_in_days is None else expires_in_days * 86400.0},
         )
     return token
 
 
-class TokenVerifier:
-    """Checks bearer tokens against the stored hashes, caching valid ones briefly."""
+def list_tokens(engine: Engine) -> list[dict[str, Any]]:
+    """Every token, newest first: name, scope, prefix, created, last used, expiry, revocation — never
+    the secret or its hash."""
+    with engine.connect() as c:
+        rows = c.execute(text(
+            "SELECT name, scope, prefix, created_at, last_used_at, expires_at, revoked_at FROM api_tokens "
+            "ORDER BY created_at DESC, id DESC")).mappings().all()
+    now = dt.datetime.now(dt.timezone.utc)
+    out = []
+    for r in rows:
+        d = dict(r)
+        d["state"] = ("revoked" if r["revoked_at"] is not None
+                      else "expired" if r["expires_at"] is not None and r["expires_at"] <= now else "active")
+        out.append(d)
+    return out
 
-    def __init__(self, engine: Engine, *, ttl_s: float = 30.0) -> None:
+
+def revoke_token(engine: Engine, name: str) -> int:
+    """Revoke the active token(s) named ``name``; returns how many were revoked."""
+    with engine.begin() as c:
+        return int(c.execute(text("UPDATE api_tokens SET revoked_at = now() WHERE name = :n AND revoked_at IS NULL"),
+                             {"n": name}).rowcount or 0)
+
+
+class TokenVerifier:
+    """Checks bearer tokens against the stored hashes (no caching of validity: revocation is immediate)."""
+
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.ttl_s = ttl_s
-        self._cache: dict[str, float] = {}
+        self._last_used: dict[int, float] = {}
         self._lock = threading.Lock()
 
-    def verify(self, authorization: str | None, *, scope: str = "ingest") -> bool:
-        """True when ``authorization`` is ``Bearer <token>`` of a stored, unrevoked token. Every token
-        holds every scope today (``scope`` is where scoped tokens plug in)."""
-        if not authorization:
-            return False
+    def authenticate(self, authorization: str | None) -> Principal | None:
+        """The principal of ``Authorization: Bearer <token>``, or None when it is missing, unknown, revoked
+        or expired. Database errors propagate (the caller answers 503)."""
+        if not authorization or len(authorization) > 512:
+            return None
         scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            return False
-        h = hash_token(token.strip())
-        now = time.monotonic()
-        with self._lock:
-            exp = self._cache.get(h)
-        if exp is not None and exp > now:
-            return True
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return None
+        h = hash_token(token)
         with self.engine.connect() as c:
             row = c.execute(
-                text("SELECT token_hash FROM api_tokens WHERE token_hash = :h AND revoked_at IS NULL"), {"h": h}
+                text("SELECT id, name, scope, token_hash FROM api_tokens WHERE token_hash = :h "
+                     "AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > now())"), {"h": h}
             ).fetchone()
-        if row is None or not hmac.compare_digest(row[0], h):
-            return False
+        if row is None or not hmac.compare_digest(row[3], h):
+            return None
+        self._touch(int(row[0]))
+        return Principal(int(row[0]), str(row[1]), str(row[2]))
+
+    def verify(self, authorization: str | None, *, scope: str = "ingest") -> bool:
+        """True when ``authorization`` carries a valid token holding ``scope``."""
+        p = self.authenticate(authorization)
+        return p is not None and p.allows(scope)
+
+    def _touch(self, token_id: int) -> None:
+        now = time.monotonic()
         with self._lock:
-            if len(self._cache) > 10_000:
-                self._cache.clear()
-            self._cache[h] = now + self.ttl_s
-        return True
+            if now - self._last_used.get(token_id, -1e9) < _LAST_USED_EVERY_S:
+                return
+            if len(self._last_used) > 10_000:
+                self._last_used.clear()
+            self._last_used[token_id] = now
+        with self.engine.begin() as c:
+            c.execute(text("UPDATE api_tokens SET last_used_at = now() WHERE id = :i"), {"i": token_id})

@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from fastapi import Depends, HTTPException, Request
 
+from .auth import ANONYMOUS_ADMIN, Principal
 from .state import AppState
 
 __all__ = ["State", "get_state", "Scope", "require_token", "IngestAuth", "AdminAuth"]
@@ -25,18 +26,24 @@ State = Annotated[AppState, Depends(get_state)]
 
 
 def require_token(scope: Scope) -> object:
-    """A dependency that answers 401 unless the request carries a valid bearer token for ``scope``.
+    """A dependency that lets a request through only when its token holds ``scope``.
 
-    It runs before the route reads its body. Every write route declares it (``dependencies=[...]``);
-    with ``--insecure-no-auth`` it lets everything through."""
+    The edge (``server/edge.py``) authenticates every write before its body is read and puts the
+    principal in the request's state; this checks the scope: 401 without a principal, 403 when the
+    token's scope is not enough. Every write route declares it (``dependencies=[...]``)."""
 
-    def check(request: Request, st: State) -> None:
-        if st.settings.insecure_no_auth:
-            return
-        if not st.tokens.verify(request.headers.get("authorization"), scope=scope):
+    def check(request: Request, st: State) -> Principal:
+        p: Principal | None = getattr(request.state, "principal", None)
+        if p is None and st.settings.insecure_no_auth:
+            p = ANONYMOUS_ADMIN
+        if p is None:
             st.metrics.rejections.labels("auth").inc()
             raise HTTPException(status_code=401, detail="missing or invalid bearer token",
                                 headers={"WWW-Authenticate": "Bearer"})
+        if not p.allows(scope):
+            st.metrics.rejections.labels("auth").inc()
+            raise HTTPException(status_code=403, detail=f"token {p.name!r} has scope {p.scope!r}; this needs {scope!r}")
+        return p
 
     check.__name__ = f"require_{scope}_token"
     return Depends(check)

@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    CheckConstraint,
     DateTime,
     Double,
     ForeignKey,
@@ -256,12 +257,15 @@ class ApiToken(Base):
     """API tokens, stored as SHA-256 hashes only."""
 
     __tablename__ = "api_tokens"
+    __table_args__ = (CheckConstraint("scope IN ('ingest', 'read', 'admin')", name="scope"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(128))
+    name: Mapped[str] = mapped_column(String(128), index=True)
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     prefix: Mapped[str] = mapped_column(String(16))
+    scope: Mapped[str] = mapped_column(String(16), server_default="ingest")
     created_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
     last_used_at: Mapped[dt.datetime | None] = mapped_column(TZ)
+    expires_at: Mapped[dt.datetime | None] = mapped_column(TZ)
     revoked_at: Mapped[dt.datetime | None] = mapped_column(TZ)
 
 

@@ -47,10 +47,21 @@ def format_value(v: float | None, unit: str) -> str:
     return f"{v:.4g} {unit}"
 
 
+def _esc(v: Any) -> str:
+    """User-supplied text in Slack mrkdwn: ``&``, ``<`` and ``>`` escaped as Slack asks, so it cannot ping
+    (``<!channel>``), mention (``<@U…>``) or disguise a link (``<url|text>``)."""
+    return str(v).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _code(v: Any) -> str:
+    """User-supplied text as an inline code span it cannot break out of."""
+    return "`" + _esc(v).replace("`", "'") + "`"
+
+
 def _headline(alert: dict[str, Any], event: str) -> str:
     details = alert.get("details") or {}
     unit = details.get("unit", "")
-    metric = _METRIC_NAME.get(alert["metric"], alert["metric"])
+    metric = _esc(_METRIC_NAME.get(alert["metric"], alert["metric"]))
     change = alert.get("change")
     ch = f"{100 * change:+.1f}%" if change is not None else ""
     what = _KIND_TITLE.get(alert["kind"], alert["kind"])
@@ -63,23 +74,23 @@ def _context(alert: dict[str, Any]) -> str:
     fb = alert.get("first_bad") or {}
     parts = []
     if alert["kind"] == "run_series":
-        parts.append(f"*Series:* {d.get('family')} · {d.get('world_size')}× {d.get('device_type') or 'device'} · "
-                     f"config `{d.get('config_signature')}`")
-        bad = f"run `{fb.get('run')}`" + (f" at commit `{fb['commit']}`" if fb.get("commit") else "")
+        parts.append(f"*Series:* {_esc(d.get('family'))} · {_esc(d.get('world_size'))}× "
+                     f"{_esc(d.get('device_type') or 'device')} · config {_code(d.get('config_signature'))}")
+        bad = f"run {_code(fb.get('run'))}" + (f" at commit {_code(fb['commit'])}" if fb.get("commit") else "")
         if d.get("good_commit"):
-            bad += f" (last good commit `{d['good_commit']}`)"
+            bad += f" (last good commit {_code(d['good_commit'])})"
         parts.append(f"*First bad:* {bad}")
     elif alert["kind"] == "benchmark":
-        params = ", ".join(f"{k}={v}" for k, v in (d.get("params") or {}).items())
-        parts.append(f"*Benchmark:* {alert['metric']} on {d.get('cluster')} ({params})")
-        parts.append(f"*First bad:* point {fb.get('index')} at {fb.get('ts')}"
-                     + (f", commit `{fb['commit']}`" if fb.get("commit") else ""))
+        params = ", ".join(f"{_esc(k)}={_esc(v)}" for k, v in (d.get("params") or {}).items())
+        parts.append(f"*Benchmark:* {_esc(alert['metric'])} on {_esc(d.get('cluster'))} ({params})")
+        parts.append(f"*First bad:* point {_esc(fb.get('index'))} at {_esc(fb.get('ts'))}"
+                     + (f", commit {_code(fb['commit'])}" if fb.get("commit") else ""))
     elif alert["kind"] == "straggler":
-        where = f" on {fb['host']}" if fb.get("host") else ""
+        where = f" on {_esc(fb['host'])}" if fb.get("host") else ""
         parts.append(f"*Run:* {alert.get('run_id')} — rank {fb.get('rank')}{where} is the slowest"
-                     + (f", late in {d['component']}" if d.get("component") else ""))
+                     + (f", late in {_esc(d['component'])}" if d.get("component") else ""))
         if d.get("node"):
-            parts.append(f"*Node:* {d['node']} — all {len(d.get('node_ranks') or [])} of its ranks straggle")
+            parts.append(f"*Node:* {_esc(d['node'])} — all {len(d.get('node_ranks') or [])} of its ranks straggle")
         elif (d.get("stragglers") or 0) > 1:
             parts.append(f"*Stragglers:* {d['stragglers']} ranks: {', '.join(map(str, d.get('ranks') or []))}")
     else:
@@ -94,7 +105,7 @@ def slack_message(alert: dict[str, Any], event: str) -> dict[str, Any]:
     d = alert.get("details") or {}
     unit = d.get("unit", "")
     fields = [
-        {"type": "mrkdwn", "text": f"*Metric*\n{_METRIC_NAME.get(alert['metric'], alert['metric'])}"},
+        {"type": "mrkdwn", "text": f"*Metric*\n{_esc(_METRIC_NAME.get(alert['metric'], alert['metric']))}"},
         {"type": "mrkdwn", "text": f"*Before → after*\n{format_value(alert.get('before'), unit)} → "
                                    f"{format_value(alert.get('after'), unit)}"},
         {"type": "mrkdwn", "text": f"*Change*\n{100 * (alert.get('change') or 0):+.1f}%"},

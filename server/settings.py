@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 __all__ = ["Settings", "default_data_dir"]
 
@@ -28,6 +29,14 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     insecure_no_auth: bool = Field(default=False, description="accept ingest without a token (loud)")
+    read_auth: bool = Field(default=False, description="the read API, dashboard, /metrics and /docs need a read token")
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Host header names accepted besides loopback "
+                                     "and the bind address ('*': any)")
+    allow_public_unauthenticated: bool = Field(default=False, description="serve reads on a non-loopback address "
+                                               "without --read-auth")
+    auth_fail_limit: int = Field(default=20, description="failed authentications per client per window before 429")
+    auth_fail_window_s: float = Field(default=60.0, description="the window of auth_fail_limit")
+    max_trace_body_bytes: int = Field(default=8 * 1024 * 1024, description="trace-summary upload limit (413)")
     migrate: bool = True
     max_body_bytes: int = Field(default=32 * 1024 * 1024, description="ingest body limit, as sent (413)")
     max_decoded_bytes: int = Field(default=256 * 1024 * 1024, description="ingest body limit decompressed")
@@ -44,3 +53,11 @@ class Settings(BaseSettings):
     alerts_enabled: bool = Field(default=True, description="run regression detection after compaction passes")
     alert_interval_s: float = Field(default=5.0, description="at most one detection pass this often")
     alert_step_check_interval_s: float = Field(default=60.0, description="within-run detection per running run")
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _comma_separated(cls, v: Any) -> Any:
+        """FLEETSCOPE_ALLOWED_HOSTS=a.example.com,b.example.com"""
+        if isinstance(v, str):
+            return [h.strip() for h in v.split(",") if h.strip()]
+        return v

@@ -144,7 +144,7 @@ def start_server(db_url: str, **overrides: Any) -> LiveServer:
         if time.monotonic() > deadline or not t.is_alive():
             raise RuntimeError("test server did not start")
         time.sleep(0.02)
-    token = create_token(app.state.fs.engine, "test")
+    token = create_token(app.state.fs.engine, f"test-{port}", scope="admin")
     return LiveServer(f"http://127.0.0.1:{port}", app, token, db_url, server, t)
 
 

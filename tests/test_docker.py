@@ -25,7 +25,13 @@ def test_compose_file_parses_and_wires_postgres_server_and_prometheus() -> None:
     assert re.match(r"postgresql://fleetscope:.*@postgres:5432/fleetscope", url)
     assert fs["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert all(p.startswith("127.0.0.1:") for p in fs["ports"])  # loopback unless told otherwise
-    assert set(fs["environment"]) <= {"FLEETSCOPE_PUBLIC_URL", "FLEETSCOPE_SLACK_WEBHOOK_URL"}
+    from fleetscope.server.settings import Settings
+
+    known = {f"FLEETSCOPE_{name.upper()}" for name in Settings.model_fields}
+    assert set(fs["environment"]) <= known, set(fs["environment"]) - known
+    # Prometheus scrapes the server by its service name: the Host check must accept it
+    hosts = fs["environment"]["FLEETSCOPE_ALLOWED_HOSTS"].split(",")
+    assert "fleetscope" in hosts
     prom = svc["prometheus"]
     assert prom["profiles"] == ["monitoring"]
     scrape = yaml.safe_load((ROOT / "docker" / "prometheus.yml").read_text())["scrape_configs"][0]

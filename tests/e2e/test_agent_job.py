@@ -72,7 +72,9 @@ class Server:
             self.proc.wait(60)
 
     def token(self) -> str:
-        out = subprocess.run([*FS, "token", "create", "--name", "job", "--database-url", self.db_url],
+        # a token name is held by one active token at a time: one name per token created here
+        self._tokens = getattr(self, "_tokens", 0) + 1
+        out = subprocess.run([*FS, "token", "create", "--name", f"job-{self._tokens}", "--database-url", self.db_url],
                              capture_output=True, text=True, timeout=120, check=True)
         return out.stdout.strip().splitlines()[-1]
 

@@ -1,0 +1,294 @@
+"""The server's edge: what every request passes before any route reads a byte of its body.
+
+A pure ASGI middleware, in this order:
+
+1. **Trusted host** — the ``Host`` header must name this server (loopback names, the bind address, the
+   public URL's host, or ``allowed_hosts``), so a DNS-rebinding page cannot read a local server.
+2. **Body cap** — a per-route ceiling checked on ``Content-Length`` before reading, and again while
+   the body streams (chunked uploads); 413 naming the limit.
+3. **Authentication** — every write (and, with ``read_auth``, every read but ``/healthz``) needs a
+   valid token: 401 before the body is read. Repeated failures from one client are refused with 429
+   for a while. A database outage answers 503 + ``Retry-After``, never 500. The principal is put in
+   the request's state; the routes' ``require_token(scope)`` dependency checks its scope.
+4. **Media type** — a write with a body must say ``application/json`` or msgpack (415 otherwise), so
+   a cross-origin ``text/plain`` form cannot post to an unauthenticated server.
+5. **Security headers** on every response (nosniff, no framing, no referrer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from fastapi import HTTPException
+from sqlalchemy.exc import OperationalError
+from starlette.concurrency import run_in_threadpool
+
+from .auth import ANONYMOUS_ADMIN, Principal
+
+__all__ = ["EdgeMiddleware", "body_cap", "TOKEN_COOKIE"]
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+_PUBLIC = ("/healthz",)
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+_BODY_TYPES = ("application/json", "application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+#: dashboard sign-in for --read-auth: open ``/?token=fs_...`` once, the token lives in this cookie
+TOKEN_COOKIE = "fleetscope_token"
+_SECURITY_HEADERS = [
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"content-security-policy", b"frame-ancestors 'none'; base-uri 'self'; form-action 'self'"),
+]
+KIB = 1024
+MIB = 1024 * KIB
+
+
+def body_cap(method: str, path: str, settings: Any) -> int:
+    """The largest body a route accepts, in bytes (as sent, before any decompression)."""
+    if path == "/api/v1/ingest":
+        return int(settings.max_body_bytes)
+    if path.startswith("/api/v1/runs/") and path.endswith("/traces"):
+        return int(settings.max_trace_body_bytes)
+    if path == "/api/v1/benchmarks":
+        return MIB
+    if method in _WRITES and path.startswith("/api/"):
+        return 64 * KIB  # run registration, finish, alert transitions, deletes: small JSON documents
+    return 16 * KIB  # reads and the dashboard's callbacks (JSON of a few component properties)
+
+
+def _dash_cap(path: str) -> int:
+    # Dash callbacks POST their inputs/state (URL, dropdown values, stored small dicts)
+    return 256 * KIB if path.startswith("/_dash-") else 0
+
+
+class _FailedAuth:
+    """Per-client count of failed authentications in a sliding window, bounded in size."""
+
+    def __init__(self, limit: int, window_s: float, max_clients: int = 10_000) -> None:
+        self.limit, self.window_s, self.max_clients = limit, window_s, max_clients
+        self._hits: OrderedDict[str, list[float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def blocked_for(self, client: str) -> float:
+        """Seconds until ``client`` may try again (0 when it may now)."""
+        now = time.monotonic()
+        with self._lock:
+            hits = [t for t in self._hits.get(client, ()) if now - t < self.window_s]
+            if hits:
+                self._hits[client] = hits
+            else:
+                self._hits.pop(client, None)
+            if len(hits) < self.limit:
+                return 0.0
+            return max(0.0, self.window_s - (now - hits[0]))
+
+    def record(self, client: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            hits = self._hits.pop(client, [])
+            hits.append(now)
+            self._hits[client] = hits[-self.limit:]
+            while len(self._hits) > self.max_clients:
+                self._hits.popitem(last=False)
+
+
+def _host_name(host: str) -> str:
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class EdgeMiddleware:
+    """See the module docstring. ``get_state()`` returns the server's ``AppState`` or None while starting."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], *, settings: Any,
+                 get_state: Callable[[], Any]) -> None:
+        self.app = app
+        self.settings = settings
+        self.get_state = get_state
+        self.failed = _FailedAuth(settings.auth_fail_limit, settings.auth_fail_window_s)
+        allowed = {h.lower() for h in settings.allowed_hosts}
+        bind = settings.host.lower()
+        self.any_host = "*" in allowed or (not allowed and bind in ("0.0.0.0", "::", ""))
+        allowed |= _LOOPBACK | {bind, f"[{bind}]"}
+        if settings.public_url:
+            allowed.add((urlsplit(settings.public_url).hostname or "").lower())
+        self.allowed_hosts = frozenset(h for h in allowed if h)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        send = self._with_security_headers(send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        method, path = scope["method"], scope["path"]
+
+        if not self.any_host and _host_name(headers.get("host", "")) not in self.allowed_hosts:
+            await _reply(send, 400, "invalid Host header: this server answers only to its own names "
+                                    "(set FLEETSCOPE_ALLOWED_HOSTS to add one)")
+            return
+
+        cap = max(body_cap(method, path, self.settings), _dash_cap(path))
+        clen = headers.get("content-length")
+        if clen is not None:
+            if not clen.isdigit():
+                await _reply(send, 400, "invalid Content-Length")
+                return
+            if int(clen) > cap:
+                await self._reject(send, 413, f"body of {clen} bytes exceeds the limit of {cap} bytes for "
+                                              f"{method} {path}")
+                return
+        has_body = (clen is not None and int(clen) > 0) or "chunked" in headers.get("transfer-encoding", "")
+
+        st = self.get_state()
+        write = method in _WRITES and path.startswith("/api/")
+        needs_auth = write or (self.settings.read_auth and not path.startswith(_PUBLIC))
+        if needs_auth:
+            principal, status, detail, extra = await self._authenticate(scope, headers, st)
+            if principal is None:
+                await self._reject(send, status, detail, extra)
+                return
+            if not write and not principal.allows("read"):
+                await self._reject(send, 403, f"token {principal.name!r} has scope {principal.scope!r}; reading "
+                                              "needs a read or admin token")
+                return
+            scope.setdefault("state", {})["principal"] = principal
+
+        if write and has_body:
+            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+            if ctype not in _BODY_TYPES:
+                await self._reject(send, 415, f"unsupported media type {ctype or '(none)'!r}: send application/json "
+                                              "or application/msgpack")
+                return
+
+        sign_in = _sign_in_token(scope) if self.settings.read_auth else None
+        if sign_in is not None and "principal" in scope.get("state", {}):
+            # dashboard sign-in: keep the (valid) token in an HttpOnly cookie, drop it from the URL
+            await _redirect_with_cookie(send, path, sign_in)
+            return
+
+        started = False
+
+        async def tracking(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, _capped(receive, cap, method, path), tracking)
+        except _TooLarge as e:
+            if started:
+                raise
+            await self._reject(send, 413, str(e.detail))
+
+    async def _authenticate(self, scope: Scope, headers: dict[str, str],
+                            st: Any) -> tuple[Principal | None, int, str, dict[str, str]]:
+        if self.settings.insecure_no_auth:
+            return ANONYMOUS_ADMIN, 200, "", {}
+        if st is None or not st.ready:
+            return None, 503, "starting up", {"Retry-After": "1"}
+        client = (scope.get("client") or ("?", 0))[0]
+        wait = self.failed.blocked_for(client)
+        if wait > 0:
+            return None, 429, "too many failed authentications from this client; retry later", {
+                "Retry-After": str(int(wait) + 1)}
+        sign_in = _sign_in_token(scope)
+        authz = (headers.get("authorization") or (f"Bearer {sign_in}" if sign_in else None)
+                 or _cookie_token(headers.get("cookie", "")))
+        try:
+            principal = await run_in_threadpool(st.tokens.authenticate, authz)
+        except (OperationalError, OSError, TimeoutError) as e:
+            log.warning("token check failed, database unavailable: %s", type(e).__name__)
+            return None, 503, "database unavailable; retry later", {"Retry-After": "2"}
+        if principal is None:
+            self.failed.record(client)
+            return None, 401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"}
+        return principal, 200, "", {}
+
+    async def _reject(self, send: Send, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
+        st = self.get_state()
+        if st is not None:
+            reason = {401: "auth", 413: "too_large", 415: "unsupported", 429: "overloaded", 503: "overloaded"}
+            st.metrics.rejections.labels(reason.get(status, str(status))).inc()
+        await _reply(send, status, detail, headers)
+
+    @staticmethod
+    def _with_security_headers(send: Send) -> Send:
+        async def wrapped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                have = {k.lower() for k, _ in message.get("headers", ())}
+                message["headers"] = [*message.get("headers", ()),
+                                      *((k, v) for k, v in _SECURITY_HEADERS if k not in have)]
+            await send(message)
+
+        return wrapped
+
+
+def _sign_in_token(scope: Scope) -> str | None:
+    """``?token=`` on a dashboard page (GET, not the API): the browser's way to present a read token."""
+    if scope["method"] != "GET" or scope["path"].startswith("/api/"):
+        return None
+    token = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
+    return token[0] if token else None
+
+
+def _cookie_token(cookie: str) -> str | None:
+    for part in cookie.split(";"):
+        k, _, v = part.strip().partition("=")
+        if k == TOKEN_COOKIE and v:
+            return f"Bearer {v}"
+    return None
+
+
+def _capped(receive: Receive, cap: int, method: str, path: str) -> Receive:
+    """``receive`` that stops a streamed body at ``cap`` bytes (a chunked upload has no Content-Length)."""
+    seen = 0
+
+    async def wrapped() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > cap:
+                raise _TooLarge(f"body exceeds the limit of {cap} bytes for {method} {path}")
+        return message
+
+    return wrapped
+
+
+class _TooLarge(HTTPException):
+    """Raised from ``receive`` when a streamed body passes its cap; routes answer it as a 413."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(status_code=413, detail=detail)
+
+
+async def _reply(send: Send, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    hs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    hs += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": hs})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _redirect_with_cookie(send: Send, path: str, token: str) -> None:
+    cookie = f"{TOKEN_COOKIE}={token}; Path=/; HttpOnly; SameSite=Strict"
+    await send({"type": "http.response.start", "status": 303,
+                "headers": [(b"location", (path or "/").encode("latin-1")), (b"set-cookie", cookie.encode("latin-1")),
+                            (b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b""})

@@ -35,7 +35,7 @@ def stream_events(path: str, source: str, consume: Callable[[Iterator[Any]], Non
         raise TraceError(source, f"cannot read: {e.strerror or e}") from None
     prefix, meta = _header(path, source)
     stream, raw = _open(path, source)
-    reader = _CountingReader(stream)
+    reader = _CountingReader(stream, source)
     ij = ijson_backend()
     try:
         with raw:
@@ -56,11 +56,48 @@ def stream_events(path: str, source: str, consume: Callable[[Iterator[Any]], Non
     return meta
 
 
-class _CountingReader(io.RawIOBase):
-    """Counts the bytes handed to the JSON parser and keeps the last ~1 MiB (trailing metadata)."""
+#: deepest nesting a trace may have (real traces: ~6); the streaming parser's memory grows with the
+#: square of the depth (20,000 levels in a 40 KB file cost ~1 GB), so deeper documents are refused
+MAX_DEPTH = 1000
+_BLOCK = 8192
+_BRACKETS = re.compile(rb"[\[\]{}]")
 
-    def __init__(self, inner: BinaryIO) -> None:
+
+class _DepthGuard:
+    """Running bracket depth of the bytes fed so far, refused past ``MAX_DEPTH``.
+
+    Counted in C per 8 KiB block (``bytes.count``); only a block whose upper bound passes the limit is
+    scanned bracket by bracket. Brackets inside strings are counted too: a real trace would need a
+    thousand unbalanced ones in its strings to be refused."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.depth = 0
+        self.pos = 0
+
+    def feed(self, b: bytes) -> None:
+        for i in range(0, len(b), _BLOCK):
+            block = b[i:i + _BLOCK]
+            opens = block.count(b"[") + block.count(b"{")
+            closes = block.count(b"]") + block.count(b"}")
+            if self.depth + opens > MAX_DEPTH:
+                d = self.depth
+                for m in _BRACKETS.finditer(block):
+                    d += 1 if m.group() in (b"[", b"{") else -1
+                    if d > MAX_DEPTH:
+                        raise TraceError(self.source, f"JSON nested deeper than {MAX_DEPTH} levels near byte "
+                                                      f"{self.pos + i + m.start()}: not a trace")
+            self.depth = max(0, self.depth + opens - closes)
+        self.pos += len(b)
+
+
+class _CountingReader(io.RawIOBase):
+    """Counts the bytes handed to the JSON parser, keeps the last ~1 MiB (trailing metadata) and refuses
+    nesting deeper than ``MAX_DEPTH``."""
+
+    def __init__(self, inner: BinaryIO, source: str = "trace") -> None:
         self.inner = inner
+        self.guard = _DepthGuard(source)
         self.pos = 0
         self.tail: deque[bytes] = deque()
         self._tail_len = 0
@@ -70,6 +107,7 @@ class _CountingReader(io.RawIOBase):
 
     def read(self, n: int = -1) -> bytes:
         b = self.inner.read(n if n and n > 0 else _CHUNK)
+        self.guard.feed(b)
         self.pos += len(b)
         if b:
             self.tail.append(b)
@@ -138,7 +176,7 @@ def ijson_backend() -> Any:
 def _header(path: str, source: str) -> tuple[str, dict[str, Any]]:
     """Scan the keys before the event list: returns (prefix of the events, metadata seen so far)."""
     stream, raw = _open(path, source)
-    reader = _CountingReader(stream)
+    reader = _CountingReader(stream, source)
     meta: dict[str, Any] = {}
     ij = ijson_backend()
     try:

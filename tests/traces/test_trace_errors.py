@@ -204,3 +204,24 @@ def test_cpu_events_stream_past_without_being_kept(tmp_path: Path) -> None:
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["compute_s"] > 0
     assert res["grew_kib"] < 12 * 1024, res
+
+
+@pytest.mark.parametrize("open_, close", [(b"[", b"]"), (b'{"a":', b"}")], ids=["arrays", "objects"])
+def test_nesting_bomb_is_refused_before_it_costs_memory(tmp_path: Path, open_: bytes, close: bytes) -> None:
+    # 20,000 levels in ~40-120 KB: the streaming parser alone would take ~1 GB for this
+    depth = 20_000
+    p = tmp_path / "bomb.json"
+    p.write_bytes(b'{"traceEvents":[{"ph":"X","cat":"kernel","name":"k","ts":1,"dur":2,"args":'
+                  + open_ * depth + (b"1" if close == b"}" else b"") + close * depth + b"}]}")
+    _raises(p, f"nested deeper than {jsonstream.MAX_DEPTH} levels", "not a trace")
+
+
+def test_depth_guard_counts_across_reads_and_lets_real_nesting_through() -> None:
+    g = jsonstream._DepthGuard("t")
+    g.feed(b'{"a": [[{"b": "[x] in a string"}]]}' * 1000)  # balanced, shallow: fine
+    assert g.depth == 0
+    for _ in range(jsonstream.MAX_DEPTH // 10):
+        g.feed(b"[" * 10)  # exactly MAX_DEPTH, fed 10 bytes at a time
+    assert g.depth == jsonstream.MAX_DEPTH
+    with pytest.raises(TraceError, match="nested deeper"):
+        g.feed(b"[")

@@ -21,10 +21,15 @@ import logging
 import os
 import sys
 import time
+from types import TracebackType
 from typing import Any
 
 from .config import AgentConfig
-from .run import FLAG_FLOPS_MEASURED, FLAG_NEGATIVE_RESIDUAL, NoopRun, Phase, Run, Step, get_run
+from .noop import NoopRun
+from .protocols import Transport, TransportFactory
+from .run import Run, get_run
+from .step import Phase, Step
+from .step_state import FLAG_FLOPS_MEASURED, FLAG_NEGATIVE_RESIDUAL
 
 __all__ = [
     "init",
@@ -35,6 +40,8 @@ __all__ = [
     "Phase",
     "NoopRun",
     "AgentConfig",
+    "Transport",
+    "TransportFactory",
     "FLAG_NEGATIVE_RESIDUAL",
     "FLAG_FLOPS_MEASURED",
 ]
@@ -67,7 +74,7 @@ def init(
     mp_size: int | None = None,
     meta: dict[str, Any] | None = None,
     agent_config: AgentConfig | None = None,
-    transport: Any = None,
+    transport: TransportFactory | None = None,
     **agent_settings: Any,
 ) -> Run | NoopRun:
     """Start (or join: all ranks of a job land in one run, by name) a run and return it.
@@ -78,8 +85,9 @@ def init(
     ``peak_flops`` overrides the per-device table (mfu.py); ``mp_size`` = TP×PP ranks per data-parallel
     replica (tokens are counted once per replica). ``agent_settings`` are ``AgentConfig``
     fields (``server=``, ``token=``, ``offline=``, ``disabled=`` ...) over the FLEETSCOPE_* variables.
-    ``transport`` is a factory ``(AgentConfig, run_info) -> Transport`` (tests). Never raises because of
-    the environment: on an internal error it logs and returns a disabled run.
+    ``transport`` is a factory ``(AgentConfig, run_info) -> Transport`` (``protocols.Transport``; tests).
+    Never raises because of the environment (an unusable FLEETSCOPE_* value is reported and ignored,
+    see config.py): on an internal error it logs and returns a disabled run.
     """
     # a wrong agent setting is the caller's bug: AgentConfig raises it now, precisely
     cfg = agent_config if agent_config is not None else AgentConfig.from_env(**agent_settings)
@@ -120,7 +128,7 @@ def _init(
     start_step: int,
     mp_size: int | None,
     meta: dict[str, Any] | None,
-    transport: Any,
+    transport: TransportFactory | None,
 ) -> Run:
     from . import env, mfu
     from . import run as run_mod
@@ -131,8 +139,7 @@ def _init(
         previous.finish()
 
     rank_env = env.detect_rank()
-    clock_kind = getattr(cfg, "clock", "auto")
-    device = env.detect_device(rank_env.local_rank, clock_kind)
+    device = env.detect_device(rank_env.local_rank, cfg.clock)
     versions = env.detect_versions()
 
     per_token = None
@@ -192,6 +199,7 @@ def _init(
         run_info["mp_size"] = int(mp_size)
 
     factory = transport if transport is not None else _transport_factory()
+    tx: Transport
     try:
         tx = factory(cfg, run_info)
     except Exception as e:  # noqa: BLE001
@@ -235,10 +243,10 @@ def finish(status: str = "finished", timeout: float | None = None) -> None:
 class _NullTransport:
     """Used when no transport can run: accepts and drops everything, counting it."""
 
-    def __init__(self, config: Any, run_info: dict[str, Any]) -> None:
+    def __init__(self, config: AgentConfig, run_info: dict[str, Any]) -> None:
         self.dropped = 0
 
-    def submit(self, kind: str, record: Any) -> None:
+    def submit(self, kind: str, record: object) -> None:
         self.dropped += 1
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -254,13 +262,13 @@ class _NullTransport:
         return {"dropped": self.dropped, "transport": "none"}
 
 
-def _transport_factory() -> Any:
+def _transport_factory() -> TransportFactory:
     try:
-        from .transport import Transport
+        from .transport import Transport as SenderTransport
     except ImportError as e:
         log.warning("fleetscope: agent transport unavailable (%r); records are dropped", e)
         return _NullTransport
-    return Transport
+    return SenderTransport
 
 
 def _install_process_hooks() -> None:
@@ -276,7 +284,7 @@ def _install_process_hooks() -> None:
     _hooks_installed = True
     previous = sys.excepthook
 
-    def excepthook(et: Any, ev: Any, tb: Any) -> None:
+    def excepthook(et: type[BaseException], ev: BaseException, tb: TracebackType | None) -> None:
         global _crashed
         _crashed = True
         previous(et, ev, tb)

@@ -16,7 +16,7 @@ Per call the wrapper takes two clock marks and appends one call record to the cu
   group). ``torch_hooks.instrument`` registers :func:`ddp_allreduce_hook` — the default all-reduce hook
   plus timing — so buckets are recorded as ``all_reduce`` calls. Their exposed part is the tail of
   backward: the reducer waits for all buckets right after the last one is issued, so exposure =
-  (last bucket completion − last bucket issue), partitioned over buckets (``Run._emit_collectives``).
+  (last bucket completion − last bucket issue), partitioned over buckets (``collective_stats.py``).
 
 ``bytes`` follows NCCL-tests' "size" (the number its algbw divides by; busbw = algbw × wire.busbw_factor):
 all_reduce, broadcast, reduce, send/recv: the tensor; all_gather: the gathered output (n × the
@@ -30,9 +30,12 @@ import inspect
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
-from .run import K_FAST, K_TRAINING
+from .collective_marks import coll_begin, coll_done_async, coll_end, ddp_issue, wait_begin, wait_end
+from .collective_stats import K_SYNC_FAST, Call
+from .machine import StepMachine
 
 __all__ = ["install", "uninstall", "installed", "ddp_allreduce_hook", "WRAPPED", "message_bytes"]
 
@@ -65,11 +68,12 @@ WRAPPED: dict[str, tuple[str, str, bool]] = {
     "barrier": ("barrier", "", False),
 }
 
-_run: Any = None  # the run collectives are recorded into (None: wrappers pass straight through)
-_orig: dict[str, Any] = {}  # name -> original function
-_patched: dict[tuple[str, str], Any] = {}  # (module, name) -> wrapper installed there
-_orig_wait: Any = None
-_works: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_run: StepMachine | None = None  # the run collectives are recorded into (None: wrappers pass through)
+_Fn = Callable[..., Any]  # a torch.distributed function, or our wrapper of it
+_orig: dict[str, _Fn] = {}  # name -> original function
+_patched: dict[tuple[str, str], _Fn] = {}  # (module, name) -> wrapper installed there
+_orig_wait: _Fn | None = None
+_works: weakref.WeakKeyDictionary[Any, tuple[StepMachine, Call]] = weakref.WeakKeyDictionary()  # work -> its call
 _sizes: dict[Any, int] = {}
 _c10d: Any = None  # torch.distributed.distributed_c10d, bound by install()
 
@@ -118,11 +122,11 @@ def message_bytes(rule: str, x: Any) -> int:
     return sum(_nbytes_list(inner) for inner in x)
 
 
-_K_SYNC = K_TRAINING | K_FAST  # a blocking call of the training thread, timed by the fast path
+_K_SYNC = K_SYNC_FAST  # a blocking call of the training thread, timed by the fast path
 _message_bytes = message_bytes
 
 
-def _make_wrapper(name: str, fn: Any) -> Any:
+def _make_wrapper(name: str, fn: _Fn) -> _Fn:
     """The wrapper of ``fn``: the generic one below, or, where the signature allows it, a generated
     one with ``fn``'s exact parameters whose hot case is inlined (see ``_make_fast``)."""
     op, rule, always_async = WRAPPED[name]
@@ -147,8 +151,8 @@ def _make_wrapper(name: str, fn: Any) -> Any:
     return wrapper
 
 
-def _make_generic(fn: Any, op: str, rule: str, always_async: bool, params: list[str]) -> Any:
-    """Any call: async, on another thread, outside a step, on the CUDA clock (``Run._coll_begin``)."""
+def _make_generic(fn: _Fn, op: str, rule: str, always_async: bool, params: list[str]) -> _Fn:
+    """Any call: async, on another thread, outside a step, on the CUDA clock (``collective_marks.coll_begin``)."""
     gi = params.index("group") if "group" in params else 99
     ai = params.index("async_op") if "async_op" in params else 99
     ti = int(rule[-1]) if rule else 99
@@ -184,7 +188,7 @@ def _make_generic(fn: Any, op: str, rule: str, always_async: bool, params: list[
                     sync = not kwargs.get("async_op", False)
                 x: Any = args[ti] if ti < nargs else kwargs.get(tname)
                 nbytes = x.nbytes if single else message_bytes(rule, x)
-                call = run._coll_begin(op, n, nbytes, sync)
+                call = coll_begin(run, op, n, nbytes, sync)
         except Exception as e:  # noqa: BLE001 - recording must never break the collective
             run._error("collective", e)
             call = None
@@ -201,7 +205,7 @@ def _make_generic(fn: Any, op: str, rule: str, always_async: bool, params: list[
                 tls.busy = False
             if call is not None:
                 try:
-                    run._coll_end(call, True)
+                    coll_end(run, call, True)
                 except Exception as e:  # noqa: BLE001
                     run._error("collective", e)
             raise
@@ -212,7 +216,7 @@ def _make_generic(fn: Any, op: str, rule: str, always_async: bool, params: list[
         if call is not None:
             try:
                 if sync or result is None:
-                    run._coll_end(call, True)
+                    coll_end(run, call, True)
                 else:
                     _track(run, call, result)
             except Exception as e:  # noqa: BLE001
@@ -225,7 +229,7 @@ def _make_generic(fn: Any, op: str, rule: str, always_async: bool, params: list[
 # The hot case, generated per function with its exact parameters (no *args/**kwargs packing, no
 # argument search): a blocking call on the training thread inside a step timed by the host clock.
 # Two clock reads and one record tuple; the call's time stays charged to the state it was issued in
-# (K_FAST) and is moved to exposed comm when the step is resolved (Run._emit_collectives_cpu), off
+# (K_FAST) and is moved to exposed comm when the step is resolved (CollectiveStats.emit_cpu), off
 # this path. ``run._in_coll`` tells a nested call (all_gather_into_tensor -> all_gather_single ...)
 # that it is part of this one. Anything else goes to the generic wrapper. Like dataclasses, the
 # function is built from source.
@@ -271,7 +275,7 @@ def _fs_factory(_fs_fn, _fs_generic, _fs_op, _fs_rule{defaults}):
 """
 
 
-def _make_fast(name: str, fn: Any, op: str, rule: str, sig: inspect.Signature, generic: Any) -> Any:
+def _make_fast(name: str, fn: _Fn, op: str, rule: str, sig: inspect.Signature, generic: _Fn) -> _Fn:
     plain = inspect.Parameter.POSITIONAL_OR_KEYWORD
     kwonly = inspect.Parameter.KEYWORD_ONLY
     names = list(sig.parameters)
@@ -326,36 +330,38 @@ def _has_world_attr() -> bool:
         return False
 
 
-def _track(run: Any, call: list[Any], work: Any) -> None:
+def _track(run: StepMachine, call: Call, work: Any) -> None:
     """An async collective was issued: time its ``wait()`` and catch its completion."""
     _works[work] = (run, call)
     try:
-        work.get_future().add_done_callback(lambda _f: run._coll_done_async(call))
+        work.get_future().add_done_callback(lambda _f: coll_done_async(run, call))
     except Exception:  # noqa: BLE001 - backends without futures: completion = end of wait()
         pass
 
 
 def _timed_wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+    orig = _orig_wait
+    assert orig is not None  # bound by install() before it replaced Work.wait with this
     entry = _works.pop(self, None) if _works else None
     if entry is None:
-        return _orig_wait(self, *args, **kwargs)
+        return orig(self, *args, **kwargs)
     run, call = entry
     token = None
     try:
-        token = run._wait_begin(call)
+        token = wait_begin(run, call)
     except Exception as e:  # noqa: BLE001
         run._error("wait", e)
     try:
-        return _orig_wait(self, *args, **kwargs)
+        return orig(self, *args, **kwargs)
     finally:
         if token is not None:
             try:
-                run._wait_end(call, token)
+                wait_end(run, call, token)
             except Exception as e:  # noqa: BLE001
                 run._error("wait", e)
 
 
-def install(run: Any) -> bool:
+def install(run: StepMachine) -> bool:
     """Record collectives into ``run`` from now on; False if torch.distributed is unavailable."""
     global _run, _orig_wait, _c10d
     import torch.distributed as dist
@@ -388,7 +394,7 @@ def install(run: Any) -> bool:
     return True
 
 
-def uninstall(run: Any = None) -> None:
+def uninstall(run: StepMachine | None = None) -> None:
     """Stop recording (for ``run``, or whatever run is recording) and restore torch.distributed."""
     global _run, _orig_wait
     if run is not None and _run is not run:
@@ -429,7 +435,7 @@ def ddp_allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]
     call = None
     if run is not None:
         try:
-            call = run._ddp_issue(n, int(tensor.nbytes))
+            call = ddp_issue(run, n, int(tensor.nbytes))
         except Exception as e:  # noqa: BLE001
             run._error("ddp_hook", e)
     all_reduce = _orig.get("all_reduce", dist.all_reduce)
@@ -439,7 +445,7 @@ def ddp_allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]
 
     def _done(f: Any) -> Any:
         try:
-            run._coll_done_async(call)
+            coll_done_async(run, call)
         except Exception:  # noqa: BLE001
             pass
         return f.value()[0]

@@ -1,39 +1,54 @@
-"""Agent configuration: one keyword-only dataclass, validated at construction, filled from env vars."""
+"""Agent configuration: one frozen keyword-only dataclass, validated at construction, filled from env vars.
+
+Every setting's default is written once, in its field below, and read from the object by everyone
+else (no ``getattr(config, name, default)``). ``AgentConfig.from_env`` reads the FLEETSCOPE_*
+variables named in the fields' metadata. A variable whose value is unusable (``FLEETSCOPE_TRACE_EVERY=often``,
+``FLEETSCOPE_OFFLINE=maybe``, a server URL that is not http(s)) is reported once per process (a log
+warning) and ignored, so its field keeps the default: a typo in a job's environment must not kill the
+job. A bad keyword argument, by contrast, is the caller's bug and raises ``ValueError`` at once.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-__all__ = ["AgentConfig"]
+from .urls import split_server_url
+
+__all__ = ["AgentConfig", "ENV_VARS"]
+
+log = logging.getLogger(__name__)
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_warned: set[str] = set()  # env var values already reported (once per process)
 
 
-def _env_bool(name: str) -> bool | None:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return None
-    return v.strip().lower() in ("1", "true", "yes", "on")
+def _env(var: str) -> dict[str, str]:
+    return {"env": var}
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class AgentConfig:
-    """Settings of the in-job agent. Every field has an env var or a safe default."""
+    """Settings of the in-job agent. Every field has a default; some also an env var (``from_env``)."""
 
-    server: str | None = None
-    """Base URL of the fleetscope server (FLEETSCOPE_SERVER), e.g. http://127.0.0.1:8000."""
-    token: str | None = field(default=None, repr=False)
-    """Bearer token for ingest (FLEETSCOPE_TOKEN). Never logged."""
-    spool_dir: str | None = None
-    """Directory of the disk spool (FLEETSCOPE_SPOOL_DIR); default: a per-user cache dir."""
-    offline: bool = False
-    """Write only the spool, for `fleetscope upload` later (FLEETSCOPE_OFFLINE=1)."""
-    disabled: bool = False
-    """Every agent call becomes a near-free no-op (FLEETSCOPE_DISABLED=1)."""
+    server: str | None = field(default=None, metadata=_env("FLEETSCOPE_SERVER"))
+    """Base URL of the fleetscope server, http(s)://host[:port][/prefix]; None: spool only."""
+    token: str | None = field(default=None, repr=False, metadata=_env("FLEETSCOPE_TOKEN"))
+    """Bearer token for ingest. Never logged."""
+    spool_dir: str | None = field(default=None, metadata=_env("FLEETSCOPE_SPOOL_DIR"))
+    """Directory of the disk spool; None: $XDG_CACHE_HOME/fleetscope/spool (~/.cache/...)."""
+    offline: bool = field(default=False, metadata=_env("FLEETSCOPE_OFFLINE"))
+    """Write only the spool, for `fleetscope upload` later."""
+    disabled: bool = field(default=False, metadata=_env("FLEETSCOPE_DISABLED"))
+    """Every agent call becomes a near-free no-op (init returns a NoopRun)."""
     queue_max_records: int = 100_000
-    """Bound of the in-memory queue; beyond it records are dropped and counted."""
+    """Bound of the in-memory queue; beyond it records are dropped and counted (queue_full)."""
     batch_max_records: int = 5_000
-    """Flush a batch once it holds this many records."""
+    """Flush a batch once it holds this many records (>= 1, <= queue_max_records)."""
     flush_interval_s: float = 2.0
     """Flush at least this often (jittered ±10 %)."""
     request_timeout_s: float = 10.0
@@ -41,9 +56,11 @@ class AgentConfig:
     retry_deadline_s: float = 30.0
     """Give up retrying a batch after this long and spool it."""
     backoff_initial_s: float = 0.2
+    """First retry delay; it doubles per attempt ("equal jitter") up to backoff_max_s."""
     backoff_max_s: float = 10.0
+    """Cap of the retry delay and of the interval between probes of a server marked down."""
     spool_max_bytes: int = 512 * 1024 * 1024
-    """Cap of the disk spool; beyond it the oldest frames are dropped and counted."""
+    """Cap of the disk spool; beyond it the oldest frames are dropped and counted (spool_full)."""
     spool_segment_max_bytes: int = 8 * 1024 * 1024
     """Seal (fsync + rename) a spool segment once it holds this many bytes; also the replay read size."""
     exit_timeout_s: float = 5.0
@@ -52,11 +69,10 @@ class AgentConfig:
     """Above this many collective calls in one step, aggregate per (op, group, size bucket)."""
     collectives: bool = True
     """Record torch.distributed collectives (wraps its functions once init ran)."""
-    trace_every_steps: int = 0
-    """Sampled tracing (FLEETSCOPE_TRACE_EVERY): every K steps profile a few steps with torch.profiler and
-    send the reduced trace (agent/tracing.py). 0 = off."""
+    trace_every_steps: int = field(default=0, metadata=_env("FLEETSCOPE_TRACE_EVERY"))
+    """Sampled tracing: every K steps profile trace_active_steps steps with torch.profiler (0 = off)."""
     trace_active_steps: int = 2
-    """Steps profiled per sampled window."""
+    """Steps profiled per sampled window (>= 1; at most trace_every_steps are)."""
     measure_flops: bool = True
     """Without given/estimated FLOPs, count them once with FlopCounterMode over the first step."""
     memory_every_steps: int = 1
@@ -68,38 +84,96 @@ class AgentConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
-                raise ValueError(f"AgentConfig.{f.name} must be >= 0, got {v!r}")
-        if self.batch_max_records < 1:
-            raise ValueError(f"AgentConfig.batch_max_records must be >= 1, got {self.batch_max_records}")
+            err = _field_error(f.name, getattr(self, f.name))
+            if err is not None:
+                raise ValueError(f"AgentConfig.{f.name} {err}")
         if self.queue_max_records < self.batch_max_records:
             raise ValueError("AgentConfig.queue_max_records must be >= batch_max_records")
-        if self.clock not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"AgentConfig.clock must be 'auto', 'cpu' or 'cuda', got {self.clock!r}")
         if self.server is not None:
-            self.server = self.server.rstrip("/")
+            object.__setattr__(self, "server", self.server.rstrip("/"))
 
     @classmethod
     def from_env(cls, **overrides: Any) -> AgentConfig:
-        """Build from FLEETSCOPE_* env vars; explicit keyword arguments win."""
-        env: dict[str, Any] = {}
-        if os.environ.get("FLEETSCOPE_SERVER"):
-            env["server"] = os.environ["FLEETSCOPE_SERVER"]
-        if os.environ.get("FLEETSCOPE_TOKEN"):
-            env["token"] = os.environ["FLEETSCOPE_TOKEN"]
-        if os.environ.get("FLEETSCOPE_SPOOL_DIR"):
-            env["spool_dir"] = os.environ["FLEETSCOPE_SPOOL_DIR"]
-        if os.environ.get("FLEETSCOPE_TRACE_EVERY"):
+        """Build from FLEETSCOPE_* env vars; explicit keyword arguments (not None) win. An unusable
+        variable is reported once and ignored (its field keeps the default)."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            var = f.metadata.get("env")
+            raw = os.environ.get(var) if var else None
+            if var is None or not raw or overrides.get(f.name) is not None:
+                continue
+            parse = _PARSERS.get(f.type if isinstance(f.type, str) else "", str)
             try:
-                env["trace_every_steps"] = int(os.environ["FLEETSCOPE_TRACE_EVERY"])
-            except ValueError:
-                raise ValueError(
-                    f"FLEETSCOPE_TRACE_EVERY must be an integer, got {os.environ['FLEETSCOPE_TRACE_EVERY']!r}"
-                ) from None
-        for name, key in (("FLEETSCOPE_OFFLINE", "offline"), ("FLEETSCOPE_DISABLED", "disabled")):
-            b = _env_bool(name)
-            if b is not None:
-                env[key] = b
-        env.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**env)
+                value = parse(raw)
+            except ValueError as e:
+                err: str | None = str(e)
+            else:
+                err = _field_error(f.name, value)
+            if err is None:
+                values[f.name] = value
+            else:
+                _warn_once(var, raw, err, f.default)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+ENV_VARS: dict[str, str] = {f.metadata["env"]: f.name for f in fields(AgentConfig) if "env" in f.metadata}
+"""FLEETSCOPE_* variable -> the AgentConfig field it sets."""
+
+
+def _parse_bool(raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError("must be one of 1/true/yes/on or 0/false/no/off")
+
+
+def _parse_int(raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError("must be an integer") from None
+
+
+# field annotation (a string: ``from __future__ import annotations``) -> parser of its env var
+_PARSERS: dict[str, Callable[[str], Any]] = {"bool": _parse_bool, "int": _parse_int}
+
+
+def _field_error(name: str, v: object) -> str | None:
+    """What is wrong with value ``v`` of field ``name`` (None if nothing); cross-field rules aside."""
+    kind = _KINDS.get(name)
+    if kind == "int" and (isinstance(v, bool) or not isinstance(v, int)):
+        return f"must be an integer, got {v!r}"
+    if kind == "float" and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        return f"must be a number, got {v!r}"
+    if kind in ("int", "float") and v < 0:  # type: ignore[operator]
+        return f"must be >= 0, got {v!r}"
+    if name in ("server", "token") and v is not None and not isinstance(v, str):
+        return f"must be a string, got {type(v).__name__}"
+    if name in ("batch_max_records", "trace_active_steps") and isinstance(v, int) and v < 1:
+        return f"must be >= 1, got {v!r}"
+    if name == "clock" and v not in ("auto", "cpu", "cuda"):
+        return f"must be 'auto', 'cpu' or 'cuda', got {v!r}"
+    if name == "server" and isinstance(v, str):
+        try:
+            split_server_url(v)
+        except ValueError as e:
+            return str(e)
+    if name == "token" and isinstance(v, str) and any(c in v for c in "\r\n\0"):
+        return "must not contain line breaks or NUL (it travels in an HTTP header)"
+    return None
+
+
+_KINDS: dict[str, str] = {f.name: str(f.type) for f in fields(AgentConfig)}
+
+
+def _warn_once(var: str, raw: str, err: str, default: object) -> None:
+    key = f"{var}={raw!r}"
+    if key in _warned:
+        return
+    _warned.add(key)
+    shown = "<redacted>" if var == "FLEETSCOPE_TOKEN" else repr(raw)
+    fallback = "no token" if var == "FLEETSCOPE_TOKEN" else repr(None if default is MISSING else default)
+    log.warning("fleetscope: ignoring %s=%s (%s); using the default, %s", var, shown, err, fallback)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .protocols import MemSample
+
 __all__ = ["RssSampler", "CudaMemorySampler", "NullSampler", "make_sampler"]
 
-_NONE4: tuple[None, None, None, None] = (None, None, None, None)
+_NONE4: MemSample = (None, None, None, None)
 
 
 class NullSampler:
@@ -20,7 +22,7 @@ class NullSampler:
 
     min_interval_ns = 0
 
-    def sample(self) -> tuple[Any, Any, Any, Any]:
+    def sample(self) -> MemSample:
         return _NONE4
 
     def close(self) -> None:
@@ -52,7 +54,7 @@ class RssSampler:
         self._pid = os.getpid()
         return self._fd
 
-    def sample(self) -> tuple[Any, Any, Any, Any]:
+    def sample(self) -> MemSample:
         fd = self._fd
         if fd is None or self._pid != os.getpid():
             fd = self._open()
@@ -95,7 +97,7 @@ class CudaMemorySampler:
         except Exception:  # noqa: BLE001 - no allocator stats: the first sample is the baseline
             pass
 
-    def sample(self) -> tuple[Any, Any, Any, Any]:
+    def sample(self) -> MemSample:
         cuda = self._cuda
         stats = cuda.memory_stats()
         allocated = stats.get("allocated_bytes.all.current")

@@ -28,6 +28,10 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .machine import StepMachine
+from .step_end import end
+from .step_state import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER
+
 __all__ = ["instrument", "default_counts"]
 
 log = logging.getLogger(__name__)
@@ -49,12 +53,72 @@ def default_counts(batch: Any) -> dict[str, Any] | None:
     return None
 
 
+# ---------------------------------------------------------------------- what each hook marks
+# The transitions of the step machine (machine.py) that the automatic hooks drive.
+
+
+def _forward_pre(run: StepMachine, training: bool) -> None:
+    if run._step is None:
+        if training:  # an eval forward outside a step must not open one
+            run._begin(True, FORWARD)
+    elif not run._stack:
+        run._to(FORWARD)
+
+
+def _forward_post(run: StepMachine) -> None:
+    # backward = from the end of forward to the optimizer step (includes the loss and clipping)
+    if run._step is not None and not run._stack and run._cur == FORWARD:
+        run._to(BACKWARD)
+
+
+def _optimizer_pre(run: StepMachine) -> None:
+    if run._step is not None and not run._stack:
+        run._to(OPTIMIZER)
+
+
+def _optimizer_post(run: StepMachine) -> None:
+    st = run._step
+    if st is None:
+        return
+    if st.auto:
+        end(run)
+    elif not run._stack:
+        run._to(OTHER)
+
+
+def _data_begin(run: StepMachine) -> int:
+    """``next()`` on the loader begins; the token says what to undo: 1 = it opened the step, 2 = it
+    switched the step to data, 3 = it pushed data (inside a phase)."""
+    if run._step is None:
+        run._begin(True, DATA)
+        return 1
+    if not run._stack:
+        run._to(DATA)
+        return 2
+    run._push(DATA)
+    return 3
+
+
+def _data_end(run: StepMachine, token: int) -> None:
+    if token == 3:
+        run._pop()
+    else:
+        run._to(OTHER)
+
+
+def _data_stop(run: StepMachine, token: int) -> None:
+    if token == 1:
+        run._discard()
+    else:
+        _data_end(run, token)
+
+
 class _TimedIterator:
     """Wraps a loader's iterator; ``__next__`` is the data phase and the automatic step boundary."""
 
     __slots__ = ("_it", "_run", "_counts")
 
-    def __init__(self, it: Any, run: Any, counts: Callable[[Any], Any] | None) -> None:
+    def __init__(self, it: Any, run: StepMachine, counts: Callable[[Any], Any] | None) -> None:
         self._it = it
         self._run = run
         self._counts = counts
@@ -67,7 +131,7 @@ class _TimedIterator:
         token = 0
         try:
             if not run._finished:
-                token = run._auto_data_begin()
+                token = _data_begin(run)
         except Exception as e:  # noqa: BLE001
             run._error("data", e)
         try:
@@ -75,20 +139,20 @@ class _TimedIterator:
         except StopIteration:
             if token:
                 try:
-                    run._auto_data_stop(token)
+                    _data_stop(run, token)
                 except Exception as e:  # noqa: BLE001
                     run._error("data", e)
             raise
         except BaseException:
             if token:
                 try:
-                    run._auto_data_end(token)
+                    _data_end(run, token)
                 except Exception as e:  # noqa: BLE001
                     run._error("data", e)
             raise
         if token:
             try:
-                run._auto_data_end(token)
+                _data_end(run, token)
                 counts = self._counts
                 if counts is not None:
                     c = counts(batch)
@@ -108,7 +172,7 @@ class _TimedIterator:
 class _TimedIterable:
     """For loaders whose class cannot be swapped (builtins such as lists): iterate this instead."""
 
-    def __init__(self, loader: Any, run: Any, counts: Callable[[Any], Any] | None) -> None:
+    def __init__(self, loader: Any, run: StepMachine, counts: Callable[[Any], Any] | None) -> None:
         self._loader = loader
         self._run = run
         self._counts = counts
@@ -123,7 +187,7 @@ class _TimedIterable:
         return getattr(self._loader, name)
 
 
-def _instrument_loader(run: Any, loader: Any, counts: Callable[[Any], Any] | None) -> Any:
+def _instrument_loader(run: StepMachine, loader: Any, counts: Callable[[Any], Any] | None) -> Any:
     cls = type(loader)
     if getattr(cls, "_fleetscope_instrumented", False):
         loader._fleetscope_counts = counts  # re-instrumented: new run, new counts
@@ -155,7 +219,7 @@ def _instrument_loader(run: Any, loader: Any, counts: Callable[[Any], Any] | Non
         return _TimedIterable(loader, run, counts)
 
 
-def _instrument_model(run: Any, model: Any) -> list[Any]:
+def _instrument_model(run: StepMachine, model: Any) -> list[Any]:
     import torch
 
     is_grad_enabled = torch.is_grad_enabled
@@ -163,14 +227,14 @@ def _instrument_model(run: Any, model: Any) -> list[Any]:
     def pre(module: Any, args: Any) -> None:
         try:
             if not run._finished:
-                run._auto_forward_pre(module.training and is_grad_enabled())
+                _forward_pre(run, module.training and is_grad_enabled())
         except Exception as e:  # noqa: BLE001
             run._error("forward", e)
 
     def post(module: Any, args: Any, output: Any) -> None:
         try:
             if not run._finished:
-                run._auto_forward_post()
+                _forward_post(run)
         except Exception as e:  # noqa: BLE001
             run._error("forward", e)
 
@@ -199,18 +263,18 @@ def _maybe_ddp_hook(model: Any) -> None:
         log.info("fleetscope: could not register the DDP comm hook (%r); buckets are not timed", e)
 
 
-def _instrument_optimizer(run: Any, optimizer: Any) -> list[Any]:
+def _instrument_optimizer(run: StepMachine, optimizer: Any) -> list[Any]:
     def pre(opt: Any, args: Any, kwargs: Any) -> None:
         try:
             if not run._finished:
-                run._auto_optimizer_pre()
+                _optimizer_pre(run)
         except Exception as e:  # noqa: BLE001
             run._error("optimizer", e)
 
     def post(opt: Any, args: Any, kwargs: Any) -> None:
         try:
             if not run._finished:
-                run._auto_optimizer_post()
+                _optimizer_post(run)
         except Exception as e:  # noqa: BLE001
             run._error("optimizer", e)
 
@@ -226,7 +290,7 @@ def _model_on_cuda(model: Any) -> bool:
 
 
 def instrument(
-    run: Any,
+    run: StepMachine,
     *,
     model: Any = None,
     optimizer: Any = None,
@@ -235,7 +299,7 @@ def instrument(
 ) -> Any:
     """Install the hooks on ``run``; return the data loader to iterate."""
     if model is not None:
-        if run._clock is None and getattr(run.config, "clock", "auto") == "auto":
+        if run._clock is None and run.config.clock == "auto":
             from .clock import make_clock
 
             run._use_clock(make_clock("cuda" if _model_on_cuda(model) else "cpu"))

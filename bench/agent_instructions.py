@@ -30,6 +30,8 @@ MODES = ("floor", "agent", "agent_no_collectives", "step")
 
 
 class _ListTransport:
+    """A ``fleetscope.agent.protocols.Transport`` whose ``submit`` is a list append."""
+
     def __init__(self, config: Any, run_info: dict[str, Any]) -> None:
         self.q: list[tuple[str, Any]] = []
 

@@ -161,9 +161,11 @@ def _timed(fn: Any, n: int) -> float:
 
 
 def time_analysis(base: str, url: str, rid: int, straggler: int) -> None:
-    from fleetscope.server import analysis as an
-    from fleetscope.server.analysis import stragglers as st_mod
+    from fleetscope.server import reports
+    from fleetscope.server.analysis.stragglers import from_blocks
     from fleetscope.server.db import make_engine
+    from fleetscope.server.store import runs as run_store
+    from fleetscope.server.store.steps import recent_blocks
 
     s = httpx.get(f"{base}/api/v1/runs/{rid}/summary", timeout=60).json()
     named = [x["rank"] for x in s["stragglers"]]
@@ -175,27 +177,20 @@ def time_analysis(base: str, url: str, rid: int, straggler: int) -> None:
     eng = make_engine(url, pool_size=2)
     try:
         def stragglers_uncached() -> None:
-            st_mod._cache.clear()
-            an.run_stragglers(eng, rid)
+            reports.clear_caches()
+            reports.stragglers(eng, rid)
 
         figure("run_stragglers_latency_uncached", _timed(stragglers_uncached, 7) * 1e3, "ms")
-        figure("run_stragglers_latency_cached", _timed(lambda: an.run_stragglers(eng, rid), 7) * 1e3, "ms")
-        figure("run_bottlenecks_latency", _timed(lambda: an.run_bottlenecks(eng, rid), 5) * 1e3, "ms")
-        figure("run_goodput_latency", _timed(lambda: an.run_goodput(eng, rid), 5) * 1e3, "ms")
-        figure("check_run_latency", _timed(lambda: an.check_run(eng, rid), 3) * 1e3, "ms")
+        figure("run_stragglers_latency_cached", _timed(lambda: reports.stragglers(eng, rid), 7) * 1e3, "ms")
+        figure("run_bottlenecks_latency", _timed(lambda: reports.bottlenecks(eng, rid), 5) * 1e3, "ms")
+        figure("run_goodput_latency", _timed(lambda: reports.goodput(eng, rid), 5) * 1e3, "ms")
+        figure("check_run_latency", _timed(lambda: reports.check_run(eng, rid), 3) * 1e3, "ms")
         # reference in the same run: the straggler figures by decoding every step block (no rollups)
-        with eng.connect() as c:
-            n_steps = c.execute(__import__("sqlalchemy").text("SELECT steps FROM runs WHERE id = :id"),
-                                {"id": rid}).scalar()
-        old = st_mod.FALLBACK_STEPS
-        st_mod.FALLBACK_STEPS = int(n_steps)
-        try:
-            with eng.connect() as c:
-                t0 = time.perf_counter()
-                ref = st_mod._from_blocks(c, rid, 0)
-                scan = time.perf_counter() - t0
-        finally:
-            st_mod.FALLBACK_STEPS = old
+        run = run_store.get_run(eng, rid, pending=False)
+        assert run is not None
+        t0 = time.perf_counter()
+        ref = from_blocks(recent_blocks(eng, rid, run.steps), 0)
+        scan = time.perf_counter() - t0
         assert ref is not None
         figure("straggler_scan_of_all_blocks", scan * 1e3, "ms")
         figure("rollups_speedup_vs_scan", scan / max(figure_value("run_stragglers_latency_uncached") / 1e3, 1e-9), "x")
@@ -213,6 +208,7 @@ def time_fold(url: str, ranks: int) -> None:
     import psycopg
     from fleetscope.server.analysis.rollups import fold_rank_rollups
     from fleetscope.server.db import libpq_url
+    from fleetscope.server.store.compaction import RollupWriter
 
     rng = np.random.default_rng(1)
     run_id = 999_999  # a run id of its own, removed afterwards
@@ -232,7 +228,8 @@ def time_fold(url: str, ranks: int) -> None:
                 gid = np.searchsorted(gkeys, S["run_id"] * (1 << 32) + S["step"])
                 with conn.cursor() as cur:
                     t0 = time.perf_counter()
-                    fold_rank_rollups(cur, S=S, C=C, gid=gid, cgid=np.zeros(0, dtype=np.int64), gkeys=gkeys)
+                    fold_rank_rollups(RollupWriter(cur), S=S, C=C, gid=gid, cgid=np.zeros(0, dtype=np.int64),
+                                      gkeys=gkeys)
                     ts.append(time.perf_counter() - t0)
                 conn.commit()
             med = statistics.median(ts[3:])

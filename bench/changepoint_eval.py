@@ -3,7 +3,7 @@ labelled synthetic set, and false alerts per 1,000 points on stationary CV-5 % s
 
     python bench/changepoint_eval.py [--tcpd DIR]
 
-The detector is ``fleetscope.server.analysis.changepoint`` with its one default configuration (the
+The detector is ``fleetscope.changepoint`` with its one default configuration (the
 one that raises alerts and that ``fleetscope detect`` uses); nothing here tunes it. The "zero"
 baseline (no change point) is scored side by side. ``--tcpd DIR`` also scores the univariate series of
 the TCPD data set (github.com/alan-turing-institute/TCPD: ``annotations.json`` and the dataset
@@ -25,8 +25,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fleetscope.server.analysis.changepoint import DEFAULT, change_points  # noqa: E402
-from fleetscope.server.analysis.cpeval import f1_margin, labelled_set, stationary_set  # noqa: E402
+from cpeval import f1_margin, labelled_set, stationary_set  # noqa: E402  (bench/cpeval.py, next to this script)
+
+from fleetscope.changepoint import DEFAULT, change_points  # noqa: E402
 
 
 def _tcpd(directory: Path) -> list[tuple[str, np.ndarray, dict]]:

@@ -322,7 +322,8 @@ class Bench:
         return first, statistics.median(xs)
 
     def queries(self) -> None:
-        from fleetscope.server import queries, rank_matrix, views
+        from fleetscope.server import rank_matrix, reports
+        from fleetscope.server.store.steps import rank_step_matrix
 
         eng = self.engine
         big = self.ids["large"]
@@ -331,49 +332,51 @@ class Bench:
         self.fig("summary_large_run_cold_ms", first, "ms")
         self.fig("summary_large_run_warm_ms", warm, "ms (target ≤ 300)")
 
-        views._summary_cache.clear()
-        first, warm = self._time(lambda: views.fleet_rows(eng))
-        n_runs = len(views.fleet_rows(eng))
+        reports.clear_caches()
+        first, warm = self._time(lambda: reports.fleet_rows(eng))
+        n_runs = len(reports.fleet_rows(eng))
         self.fig("fleet_page_data_cold_ms", first, f"ms ({n_runs} runs, one batched query; target ≤ 200)")
         self.fig("fleet_page_data_warm_ms", warm, "ms (per-run cache of unchanged runs)")
-        runs = views.run_options(eng, limit=10_000)
+        runs = reports.run_options(eng, limit=10_000)
+        reports.clear_caches()
         t = time.perf_counter()
         for r in runs:
-            queries.run_summary(eng, r["id"])
+            reports.run_summary(eng, r["id"])
         naive = (time.perf_counter() - t) * 1e3
         self.fig("fleet_reference_per_run_summaries_ms", naive, f"ms ({len(runs)} × run_summary)")
         self.fig("fleet_batched_speedup", naive / first, "× vs per-run summaries (cold)")
 
-        first, warm = self._time(lambda: views.scaling_view(eng, "llm-70b"))
+        first, warm = self._time(lambda: reports.scaling_view(eng, "llm-70b"))
         self.fig("scaling_page_data_ms", first, f"ms (family with {len(SCALING_SIZES)} cluster sizes; target ≤ 500)")
         self.fig("scaling_page_data_warm_ms", warm, "ms")
 
         # run page data of the large run: the heatmap matrix cold (decode every step block) and cached
         rank_matrix.clear_cache()
         t = time.perf_counter()
-        hm = views.rank_heatmap(eng, big)
+        hm = reports.rank_heatmap(eng, big)
         self.fig("heatmap_cold_ms", (time.perf_counter() - t) * 1e3, f"ms (decode {hm['n_steps']:,} blocks of {hm['n_ranks']:,} ranks)")
-        _, warm = self._time(lambda: views.rank_heatmap(eng, big))
+        _, warm = self._time(lambda: reports.rank_heatmap(eng, big))
         self.fig("heatmap_warm_ms", warm, f"ms (cached; reduced to {hm['values'].shape[0]}×{hm['values'].shape[1]}, "
                                            f"{hm['step_factor']} steps × {hm['rank_factor']} ranks per cell)")
         t = time.perf_counter()
-        queries.rank_step_matrix(eng, big, "step_s", step_hi=10**9)
-        self.fig("heatmap_reference_rank_step_matrix_ms", (time.perf_counter() - t) * 1e3, "ms (queries.rank_step_matrix, full decode)")
+        rank_step_matrix(eng, big, "step_s")
+        self.fig("heatmap_reference_rank_step_matrix_ms", (time.perf_counter() - t) * 1e3,
+                 "ms (store.steps.rank_step_matrix, full decode)")
 
-        def run_page_data() -> None:  # what the run page's callbacks call, with the page's caches
-            s = views.cached("summary", eng, big, lambda: queries.run_summary(eng, big))
-            views.cached("series", eng, big, lambda: views.run_series(eng, big))
-            views.bottleneck_report(eng, big, s)
-            views.cached("modalities", eng, big, lambda: views.modality_series(eng, big))
-            views.rank_heatmap(eng, big, field="work_s")
-            views.rank_slowdown(eng, big)
-            views.cached("stragglers", eng, big, lambda: views.analysis("stragglers", eng, run_id=big))
-            views.cached("collectives", eng, big, lambda: views.collectives_view(eng, big))
-            views.analysis("goodput", eng, run_id=big)
-            views.run_events(eng, big)
-            views.run_traces(eng, big)
+        def run_page_data() -> None:  # what the run page's callbacks call (the façade caches per run)
+            s = reports.run_page_summary(eng, big)
+            reports.run_series(eng, big)
+            reports.bottleneck_report(eng, big, s)
+            reports.modality_series(eng, big)
+            reports.rank_heatmap(eng, big, field="work_s")
+            reports.rank_slowdown(eng, big)
+            reports.straggler_view(eng, big)
+            reports.collectives_view(eng, big)
+            reports.goodput(eng, big)
+            reports.run_events(eng, big)
+            reports.run_traces(eng, big)
 
-        views._page_cache.clear()
+        reports.clear_caches()
         first, warm = self._time(run_page_data, reps=3)
         self.fig("run_page_data_large_first_ms", first, "ms (every section's query; heatmap matrix already cached)")
         self.fig("run_page_data_large_ms", warm, "ms (again: finished run, page caches valid)")
@@ -381,16 +384,16 @@ class Bench:
 
     def payloads(self, rid: int) -> None:
         from fleetscope.dashboard import figures as F
-        from fleetscope.server import views
+        from fleetscope.server import reports
         from plotly.io.json import to_json_plotly
 
         eng = self.engine
-        ser = views.run_series(eng, rid)
+        ser = reports.run_series(eng, rid)
         figs = {
             "decomposition": F.decomposition_figure(ser), "throughput": F.throughput_figure(ser), "memory": F.memory_figure(ser),
-            "heatmap": F.heatmap_figure(views.rank_heatmap(eng, rid)), "stragglers": F.slowdown_figure(views.rank_slowdown(eng, rid)),
-            "collectives": F.collectives_figure(views.collectives_view(eng, rid)["rows"]),
-            "modality": F.modality_figure(views.modality_series(eng, rid), ser.get("packing")),
+            "heatmap": F.heatmap_figure(reports.rank_heatmap(eng, rid)), "stragglers": F.slowdown_figure(reports.rank_slowdown(eng, rid)),
+            "collectives": F.collectives_figure(reports.collectives_view(eng, rid)["rows"]),
+            "modality": F.modality_figure(reports.modality_series(eng, rid), ser.get("packing")),
         }
         sizes = {k: len(to_json_plotly(f)) for k, f in figs.items()}  # the bytes a callback sends
         for k, v in sizes.items():

@@ -19,7 +19,16 @@ __all__ = [
     "simple_table",
     "status_badge",
     "URL_SYNC_JS",
+    "md_escape",
 ]
+
+_MD_SPECIAL = "\\`*_{}[]()#+-.!|<>~"
+
+
+def md_escape(text: object) -> str:
+    """User text shown in a Markdown cell: every Markdown character backslash-escaped, so a run name
+    cannot become a link, an image (a remote request) or formatting."""
+    return "".join("\\" + ch if ch in _MD_SPECIAL else ch for ch in str(text).replace("\n", " "))
 
 NAV = (("Fleet", "/"), ("Scaling", "/scaling"), ("Compare", "/compare"), ("Regressions", "/regressions"),
        ("Benchmarks", "/benchmarks"))

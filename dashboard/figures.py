@@ -1,4 +1,4 @@
-"""Figure builders: pure functions from page data (server/views.py) to Plotly figures.
+"""Figure builders: pure functions from page data (fleetscope.server.reports) to Plotly figures.
 
 No I/O and no Dash here, so every chart is unit-tested without a browser. Builders return plain
 figure dicts (``{"data": [...], "layout": {...}}``) rather than ``plotly.graph_objects`` objects:
@@ -162,6 +162,8 @@ def heatmap_figure(hm: dict[str, Any] | None) -> Fig:
                 f"per cell ({hm['n_ranks']:,} ranks × {hm['n_steps']:,} steps → {len(y)} × {z.shape[1]})")
     else:
         note = f"every rank and step ({hm['n_ranks']:,} × {hm['n_steps']:,})"
+    if hm.get("sampled_every_steps", 1) > 1:
+        note += f"; a sample: every {hm['sampled_every_steps']}th step of a run too large to hold whole"
     lay = _layout(f"Per-rank {hm['label']}", height=max(260, min(520, 120 + 3 * len(y))), legend=False, note=note,
                   hovermode="closest", x=_axis(title="step", showgrid=False),
                   y=_axis(title="rank" + (f" (groups of {rf})" if rf > 1 else ""), autorange="reversed", showgrid=False))

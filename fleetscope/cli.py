@@ -219,28 +219,48 @@ def upload(
         raise typer.Exit(1)
 
 
+@app.command("delete-run")
+def delete_run(
+    run: Annotated[str, typer.Argument(help="run id or name")],
+    server: Annotated[str, typer.Option("--server", envvar="FLEETSCOPE_SERVER", help="fleetscope server base URL")],
+    token: Annotated[Optional[str], typer.Option("--token", envvar="FLEETSCOPE_TOKEN",
+                                                 help="admin token (prefer FLEETSCOPE_TOKEN: argv is visible in ps)")]
+    = None,
+) -> None:
+    """Delete a run and everything that hangs off it (needs an admin token)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=120.0) as c:
+            rid: int | None = int(run) if run.isdigit() else None
+            if rid is None:
+                r = c.get("/api/v1/runs", params={"name": run, "limit": 1})
+                found = [x for x in (r.json().get("runs", []) if r.status_code == 200 else []) if x["name"] == run]
+                if r.status_code != 200 or not found:
+                    typer.echo(f"error: no run named {run!r} (HTTP {r.status_code})", err=True)
+                    raise typer.Exit(1)
+                rid = int(found[0]["id"])
+            r = c.delete(f"/api/v1/runs/{rid}")
+    except httpx.HTTPError as e:
+        typer.echo(f"error: cannot reach {server}: {e}", err=True)
+        raise typer.Exit(2) from None
+    if r.status_code != 200:
+        typer.echo(f"error: HTTP {r.status_code}: {r.text[:300]}", err=True)
+        raise typer.Exit(1)
+    rows = r.json()["deleted"]
+    typer.echo(f"deleted run {rid}: " + ", ".join(f"{t} {n}" for t, n in rows.items() if n))
+
+
 # Commands that live with their parts. Their modules keep top-level imports light (typer + stdlib),
 # importing heavy dependencies inside the command function.
-_PART_COMMANDS = {
-    "simulate": "fleetscope.simulate:simulate",
-    "import-trace": "fleetscope.traces.cli:import_trace",
-    "detect": "fleetscope.server.analysis.cli:detect",
-    "check": "fleetscope.server.analysis.cli:check",
-    "bench": "fleetscope.server.analysis.cli:bench",
-}
-
-
 def _register_part_commands() -> None:
-    import importlib
+    from .analysis_cli import bench, check, detect
+    from .simulate import simulate
+    from .traces.cli import import_trace
 
-    for name, target in _PART_COMMANDS.items():
-        module, _, attr = target.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except ModuleNotFoundError as e:
-            if e.name and module.startswith(e.name):
-                continue  # that part is not built yet
-            raise
+    for name, fn in (("simulate", simulate), ("import-trace", import_trace), ("detect", detect), ("check", check),
+                     ("bench", bench)):
         app.command(name)(fn)
 
 

@@ -99,18 +99,24 @@ def run_demo(settings: Settings, *, with_job: bool = True, small: bool = False, 
     state: dict[str, Any] = {}
 
     def on_ready(base: str, app: Any) -> None:
-        token = create_token(app.state.fs.engine, "demo", replace=True)
-        with Client(base, token) as c:
-            print(f"fleetscope demo: loading the synthetic fleet history into {base} ...", flush=True)
-            n = load_history(c, fleet_history(small=small))
-            print(f"fleetscope demo: loaded {n:,} rank-steps", flush=True)
-        if with_job:
-            from .demo_job import start_job
+        try:
+            # the history is the server's own data: loaded with an admin token (it re-finishes runs a
+            # previous demo created); the live job gets an ordinary ingest token, like any job
+            engine = app.state.fs.engine
+            loader = create_token(engine, "demo-history", scope="admin", replace=True)
+            with Client(base, loader) as c:
+                print(f"fleetscope demo: loading the synthetic fleet history into {base} ...", flush=True)
+                n = load_history(c, fleet_history(small=small))
+                print(f"fleetscope demo: loaded {n:,} rank-steps", flush=True)
+            if with_job:
+                from .demo_job import start_job
 
-            state["job"] = start_job(base, token, log_dir=Path(settings.data_dir) / "demo-job")
-        print(f"\n  fleetscope dashboard: {base}/\n  API docs: {base}/docs\n  Ctrl-C to stop\n", flush=True)
-        if exit_when_loaded:
-            os.kill(os.getpid(), signal.SIGINT)
+                token = create_token(engine, "demo-job", replace=True)
+                state["job"] = start_job(base, token, log_dir=Path(settings.data_dir) / "demo-job")
+            print(f"\n  fleetscope dashboard: {base}/\n  API docs: {base}/docs\n  Ctrl-C to stop\n", flush=True)
+        finally:
+            if exit_when_loaded:  # also when loading failed: never leave a caller waiting
+                os.kill(os.getpid(), signal.SIGINT)
 
     def on_shutdown() -> None:
         job = state.pop("job", None)

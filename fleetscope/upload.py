@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fleetscope.agent._http import Client
+from fleetscope.agent.api_client import Client
 from fleetscope.agent.spool import (
     CORRUPT_SUFFIX,
     OPEN_SUFFIX,

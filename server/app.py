@@ -9,8 +9,8 @@ from typing import Any
 
 import psycopg
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy import text
 from sqlalchemy.exc import DataError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
@@ -28,6 +28,7 @@ from .notifier import Notifier
 from .routes import alerts, benchmarks, health, ingest, runs, traces
 from .settings import Settings
 from .state import AppState
+from .store.runs import runs_by_status
 
 __all__ = ["create_app"]
 
@@ -45,16 +46,21 @@ def _live_sample(app: FastAPI) -> dict[str, Any]:
         "fleetscope_ingest_active_writers": ("Batches being written", float(st.ingest.admission.active), None),
         "fleetscope_compaction_backlog_rows": ("Landed rank-steps not yet compacted", float(st.ingest.backlog_rows), None),
     }
-    with st.engine.connect() as c:
-        rows = c.execute(
-            text("SELECT status, count(*), coalesce(sum(world_size), 0) FROM runs GROUP BY status")
-        ).fetchall()
+    rows = runs_by_status(st.engine)
     out["fleetscope_runs"] = ("Runs by status", [((r[0],), float(r[1])) for r in rows], ("status",))
     out["fleetscope_active_ranks"] = (
         "Ranks of running runs",
         float(sum(r[2] for r in rows if r[0] == "running")),
         None,
     )
+    return out
+
+
+def _brief_error(e: Any) -> dict[str, Any]:
+    """One validation error for the client: location, message, type, and an excerpt of the input."""
+    out = {"loc": [str(p)[:64] for p in e.get("loc", ())], "msg": str(e.get("msg", ""))[:300], "type": e.get("type")}
+    if "input" in e and not isinstance(e["input"], (dict, list)):
+        out["input"] = ascii(e["input"])[:80]
     return out
 
 
@@ -143,6 +149,12 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
         # a 422 naming the problem, never a 500
         msg = str(getattr(exc, "orig", None) or exc).splitlines()[0][:200]
         return JSONResponse({"detail": f"invalid value: {msg}"}, status_code=422)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default echoes each bad input whole (a 50 MB string, a lone surrogate that cannot
+        # even be encoded): say where and what, with at most a short, ASCII-safe excerpt of the value
+        return JSONResponse({"detail": [_brief_error(e) for e in exc.errors()[:20]]}, status_code=422)
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(psycopg.OperationalError)

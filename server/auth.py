@@ -17,7 +17,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
+
+from .store import tokens
 
 __all__ = ["SCOPES", "Principal", "create_token", "list_tokens", "revoke_token", "TokenVerifier", "hash_token",
            "TokenError"]
@@ -69,45 +71,29 @@ def create_token(engine: Engine, name: str, *, scope: str = "ingest", expires_in
         raise TokenError("--expires-in must be between 0 and 3650 days")
     token = _PREFIX + secrets.token_urlsafe(32)
     with engine.begin() as c:
-        c.execute(text("SELECT pg_advisory_xact_lock(hashtext('fleetscope.api_tokens.' || :n))"), {"n": name})
-        active = c.execute(text("SELECT count(*) FROM api_tokens WHERE name = :n AND revoked_at IS NULL "
-                                "AND (expires_at IS NULL OR expires_at > now())"), {"n": name}).scalar_one()
+        active = tokens.active_count(c, name)
         if active and not replace:
             raise TokenError(f"an active token named {name!r} exists; revoke it first (fleetscope token revoke)")
-        if active:
-            c.execute(text("UPDATE api_tokens SET revoked_at = now() WHERE name = :n AND revoked_at IS NULL"),
-                      {"n": name})
-        c.execute(
-            text("INSERT INTO api_tokens (name, token_hash, prefix, scope, expires_at) "
-                 "VALUES (:n, :h, :p, :s, now() + make_interval(secs => :e))"),
-            {"n": name, "h": hash_token(token), "p": token[:8], "s": scope,
-             "e": None if expires_in_days is None else expires_in_days * 86400.0},
-        )
+        tokens.insert_token(c, name=name, token_hash=hash_token(token), prefix=token[:8], scope=scope,
+                            expires_in_s=None if expires_in_days is None else expires_in_days * 86400.0,
+                            revoke_same_name=bool(active))
     return token
 
 
 def list_tokens(engine: Engine) -> list[dict[str, Any]]:
     """Every token, newest first: name, scope, prefix, created, last used, expiry, revocation — never
     the secret or its hash."""
-    with engine.connect() as c:
-        rows = c.execute(text(
-            "SELECT name, scope, prefix, created_at, last_used_at, expires_at, revoked_at FROM api_tokens "
-            "ORDER BY created_at DESC, id DESC")).mappings().all()
+    rows = tokens.list_all(engine)
     now = dt.datetime.now(dt.timezone.utc)
-    out = []
     for r in rows:
-        d = dict(r)
-        d["state"] = ("revoked" if r["revoked_at"] is not None
+        r["state"] = ("revoked" if r["revoked_at"] is not None
                       else "expired" if r["expires_at"] is not None and r["expires_at"] <= now else "active")
-        out.append(d)
-    return out
+    return rows
 
 
 def revoke_token(engine: Engine, name: str) -> int:
     """Revoke the active token(s) named ``name``; returns how many were revoked."""
-    with engine.begin() as c:
-        return int(c.execute(text("UPDATE api_tokens SET revoked_at = now() WHERE name = :n AND revoked_at IS NULL"),
-                             {"n": name}).rowcount or 0)
+    return tokens.revoke_by_name(engine, name)
 
 
 class TokenVerifier:
@@ -128,15 +114,11 @@ class TokenVerifier:
         if scheme.lower() != "bearer" or not token:
             return None
         h = hash_token(token)
-        with self.engine.connect() as c:
-            row = c.execute(
-                text("SELECT id, name, scope, token_hash FROM api_tokens WHERE token_hash = :h "
-                     "AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > now())"), {"h": h}
-            ).fetchone()
+        row = tokens.find_valid(self.engine, h)
         if row is None or not hmac.compare_digest(row[3], h):
             return None
-        self._touch(int(row[0]))
-        return Principal(int(row[0]), str(row[1]), str(row[2]))
+        self._touch(row[0])
+        return Principal(row[0], row[1], row[2])
 
     def verify(self, authorization: str | None, *, scope: str = "ingest") -> bool:
         """True when ``authorization`` carries a valid token holding ``scope``."""
@@ -151,5 +133,4 @@ class TokenVerifier:
             if len(self._last_used) > 10_000:
                 self._last_used.clear()
             self._last_used[token_id] = now
-        with self.engine.begin() as c:
-            c.execute(text("UPDATE api_tokens SET last_used_at = now() WHERE id = :i"), {"i": token_id})
+        tokens.touch(self.engine, token_id)

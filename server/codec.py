@@ -45,10 +45,6 @@ class CopyLayout:
         self.names = [c for c, _ in self.columns]
         self._lengths = {name: np.dtype(_PG_TYPE[t]).itemsize for name, t in self.columns}
 
-    @property
-    def copy_in_sql(self) -> str:
-        return f"COPY {self.table} ({', '.join(self.names)}) FROM STDIN (FORMAT BINARY)"
-
     def build(self, n: int, values: dict[str, np.ndarray | int | float]) -> bytes:
         """The COPY payload for ``n`` rows; ``values`` maps every column to an array or a scalar."""
         arr = np.empty(n, dtype=self.dtype)

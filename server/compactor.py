@@ -7,7 +7,8 @@ steps are deduplicated against each other and the existing block, encoded, and t
 collective and counter rollups are upserted; fragments are deleted, and what was not ready is
 rewritten as a new fragment keeping its arrival time — a crash leaves the fragments in place.
 Rollups are vectorised over all steps of a pass (sort-based grouped medians), so the cost per
-rank-step stays ~µs whatever the world size.
+rank-step stays ~µs whatever the world size. This module decides and computes; its SQL (reading
+fragments, the COPY of step rows, the upserts) is ``store.compaction``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,21 +31,16 @@ from .codec import (
     decode_block,
     encode_block,
 )
-from .db import raw_connection
+from .grouped import grouped_median, grouped_medians
+from .store import compaction as store
 
 __all__ = ["Compactor", "CompactionResult", "grouped_median", "bits_of"]
 
 log = logging.getLogger(__name__)
-_LOCK_KEY = 727275
 
 _MAX_FRAGMENTS = 5000
 _MAX_RECORDS = 600_000  # rank-steps + collectives decoded per pass (bounds memory)
 
-_STEP_COLS = (
-    "run_id, step, n_ranks, ts, step_s, data_s, compute_s, comm_exposed_s, other_s, comm_total_s, forward_s, "
-    "backward_s, optimizer_s, step_s_max, work_s, work_s_max, slowest_rank, tokens, padded_tokens, samples, "
-    "flops, mem_peak_bytes, mem_reserved_bytes, alloc_retries, neg_residual, coll_records, ranks, block, coll_block"
-)
 _MEDIAN_COLS = (
     "step_s",
     "data_s",
@@ -94,19 +91,6 @@ def _group_starts(keys: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
 
 
-def grouped_median(values: np.ndarray, gid: np.ndarray, n_groups: int) -> np.ndarray:
-    """Median of ``values`` per group id (0..n_groups-1), ignoring NaN; NaN where a group has none."""
-    order = np.lexsort((values, gid))  # NaN sorts last within each group
-    v = values[order]
-    counts = np.bincount(gid, minlength=n_groups)
-    starts = np.r_[0, np.cumsum(counts)[:-1]]
-    valid = np.bincount(gid, weights=~np.isnan(values), minlength=n_groups).astype(np.int64)
-    lo = starts + np.maximum(valid - 1, 0) // 2
-    hi = np.where(valid > 0, starts + valid // 2, lo)
-    out = np.where(valid > 0, (v[np.minimum(lo, len(v) - 1)] + v[np.minimum(hi, len(v) - 1)]) / 2, np.nan)
-    return out
-
-
 def _grouped_sum(values: np.ndarray, gid: np.ndarray, n: int) -> np.ndarray:
     ok = ~np.isnan(values)
     s = np.bincount(gid, weights=np.where(ok, values, 0.0), minlength=n)
@@ -127,7 +111,8 @@ class Compactor:
         self.engine = engine
         self.grace_s = grace_s
         self.on_pass = on_pass
-        #: extra rollups folded in the same transaction: fn(cur, *, S, C, gid, cgid, gkeys) where S/C are
+        #: extra rollups folded in the same transaction: fn(writer, *, S, C, gid, cgid, gkeys) where writer is a
+        #: ``store.compaction.RollupWriter`` on the compaction's cursor, S/C are
         #: the deduplicated rank-step/collective columns of the touched steps (S["is_old"] marks rows that
         #: were already compacted), gid/cgid their group index into gkeys = run_id << 32 | step.
         self.folds: list[Any] = []
@@ -168,15 +153,10 @@ class Compactor:
 
     def _pass(self, force: bool) -> CompactionResult:
         res = CompactionResult()
-        with raw_connection(self.engine) as conn, conn.cursor() as cur:
-            got = cur.execute("SELECT pg_try_advisory_xact_lock(%s)", (_LOCK_KEY,)).fetchone()
-            if not got or not got[0]:
+        with store.transaction(self.engine) as cur:
+            if not store.try_lock(cur):
                 return res
-            frags = cur.execute(
-                "SELECT id, run_id, extract(epoch FROM now() - received_at)::float8, received_at, "
-                "n_rank_steps + n_collectives, rank_steps, collectives FROM ingest_fragments ORDER BY id LIMIT %s",
-                (_MAX_FRAGMENTS,),
-            ).fetchall()
+            frags = store.read_fragments(cur, _MAX_FRAGMENTS)
             taken, total = [], 0
             for f in frags:
                 if taken and total + f[4] > _MAX_RECORDS:
@@ -188,9 +168,7 @@ class Compactor:
                 res.more = True
             ready_keys = self._compact_fragments(cur, taken, force, res) if taken else np.empty(0, dtype=np.int64)
             self._compact_modalities(cur, ready_keys, force)
-            res.backlog_rows = int(
-                cur.execute("SELECT coalesce(sum(n_rank_steps), 0) FROM ingest_fragments").fetchone()[0]  # type: ignore[index]
-            )
+            res.backlog_rows = store.backlog_rows(cur)
         return res
 
     def _compact_fragments(self, cur: Any, frags: list, force: bool, res: CompactionResult) -> np.ndarray:
@@ -198,25 +176,16 @@ class Compactor:
         S = _decode_frags(frags, 5, FRAG_STEP_FIELDS)
         C = _decode_frags(frags, 6, FRAG_COLL_FIELDS)
         run_ids = np.unique(np.array([f[1] for f in frags]))
-        info = {
-            r: (ws, st)
-            for r, ws, st in cur.execute(
-                "SELECT id, world_size, status FROM runs WHERE id = ANY(%s)", (run_ids.tolist(),)
-            ).fetchall()
-        }
+        info = store.run_info(cur, run_ids.tolist())
         ks = S["run_id"] * (1 << 32) + S["step"]
         kc = C["run_id"] * (1 << 32) + C["step"]
         gkeys = _union_keys(ks, kc)
         if len(gkeys) == 0:
-            cur.execute("DELETE FROM ingest_fragments WHERE id = ANY(%s)", ([f[0] for f in frags],))
+            store.delete_fragments(cur, [f[0] for f in frags])
             return gkeys
         g_s = np.searchsorted(gkeys, ks)
         g_c = np.searchsorted(gkeys, kc)
-        existing = cur.execute(
-            "SELECT s.run_id, s.step, s.block, s.coll_block FROM steps s JOIN unnest(%s::int[], %s::int[]) "
-            "AS k(run_id, step) ON s.run_id = k.run_id AND s.step = k.step",
-            ((gkeys >> 32).tolist(), (gkeys & 0xFFFFFFFF).tolist()),
-        ).fetchall()
+        existing = store.existing_blocks(cur, (gkeys >> 32).tolist(), (gkeys & 0xFFFFFFFF).tolist())
         n = len(gkeys)
         ready = np.zeros(n, dtype=bool)
         if force:
@@ -258,22 +227,13 @@ class Compactor:
                 encode_block(FRAG_STEP_FIELDS, {k: S[k][ms] for k, _ in FRAG_STEP_FIELDS}, compress=True) if ms.any() else None,
                 encode_block(FRAG_COLL_FIELDS, {k: C[k][mc] for k, _ in FRAG_COLL_FIELDS}, compress=True) if mc.any() else None,
             ))  # fmt: skip
-        cur.execute("DELETE FROM ingest_fragments WHERE id = ANY(%s)", ([f[0] for f in frags],))
-        if rows:
-            cur.executemany(
-                "INSERT INTO ingest_fragments (run_id, received_at, n_rank_steps, n_collectives, step_min, step_max, "
-                "rank_steps, collectives) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
-                rows,
-            )
+        store.delete_fragments(cur, [f[0] for f in frags])
+        store.insert_fragments(cur, rows)
         return gkeys[ready]
 
     def _compact_modalities(self, cur: Any, ready_keys: np.ndarray, force: bool) -> None:
-        mods = cur.execute(
-            "DELETE FROM modality_raw t WHERE %s OR t.received_at < now() - make_interval(secs => %s) "
-            "OR (t.run_id, t.step) IN (SELECT * FROM unnest(%s::int[], %s::int[])) "
-            "RETURNING t.run_id, t.step, t.rank, t.modality, t.tokens",
-            (force, float(self.grace_s), (ready_keys >> 32).tolist(), (ready_keys & 0xFFFFFFFF).tolist()),
-        ).fetchall()
+        mods = store.take_modalities(cur, force=force, grace_s=self.grace_s, run_ids=(ready_keys >> 32).tolist(),
+                                     steps=(ready_keys & 0xFFFFFFFF).tolist())
         if mods:
             self._fold_modalities(cur, mods)
 
@@ -328,7 +288,7 @@ class Compactor:
         n_ranks = np.bincount(gid, minlength=n_groups)
         work = S["step_s"] - np.nan_to_num(S["comm_exposed_s"])
         med_cols = [S[c] for c in _MEDIAN_COLS] + [work]
-        meds = _grouped_medians(med_cols, gid, n_ranks)
+        meds = grouped_medians(med_cols, gid, n_ranks)
         roll: dict[str, np.ndarray] = dict(zip((*_MEDIAN_COLS, "work_s"), meds, strict=True))
         roll["step_s_max"] = _grouped_max(S["step_s"], gid, n_groups)
         roll["work_s_max"] = _grouped_max(work, gid, n_groups)
@@ -353,14 +313,8 @@ class Compactor:
         run_ids = gkeys >> 32
         steps = gkeys & 0xFFFFFFFF
         floats = np.stack([roll[c] for c in _ROLL_FLOATS], axis=1)
-        copy_types = ["int4", "int4", "int4", *(["float8"] * 13), "int4", *(["float8"] * 7), "int4", "int4",
-                      "text", "bytea", "bytea"]  # fmt: skip
-        cur.execute(
-            f"CREATE TEMP TABLE _new_steps ON COMMIT DROP AS SELECT {_STEP_COLS.replace(', ranks,', ', ranks::text AS ranks,')} "
-            "FROM steps LIMIT 0"
-        )
-        with cur.copy(f"COPY _new_steps ({_STEP_COLS}) FROM STDIN (FORMAT BINARY)") as cp:
-            cp.set_types(copy_types)
+
+        def step_rows() -> Iterator[tuple[Any, ...]]:
             for g in range(n_groups):
                 a, b = s_starts[g], s_starts[g + 1]
                 ca, cb = c_starts[g], c_starts[g + 1]
@@ -368,17 +322,13 @@ class Compactor:
                 rank_bits = bits_of(S["rank"][a:b]) if b > a else ""
                 coll_block = encode_block(COLL_BLOCK_FIELDS, {n: C[n][ca:cb] for n, _ in COLL_BLOCK_FIELDS}) if cb > ca else None
                 fl = [None if x != x else x for x in floats[g].tolist()]
-                cp.write_row((
+                yield (
                     int(run_ids[g]), int(steps[g]), int(n_ranks[g]), *fl[:13],
                     int(slow[g]) if slow[g] >= 0 else None, *fl[13:],
                     int(neg[g]), int(n_coll[g]), rank_bits, block, coll_block,
-                ))  # fmt: skip
-        upd = ", ".join(f"{c.strip()} = excluded.{c.strip()}" for c in _STEP_COLS.split(",")[2:])
-        sel = _STEP_COLS.replace(", ranks,", ", ranks::varbit,")
-        cur.execute(
-            f"INSERT INTO steps ({_STEP_COLS}) SELECT {sel} FROM _new_steps "
-            f"ON CONFLICT (run_id, step) DO UPDATE SET {upd}"
-        )
+                )  # fmt: skip
+
+        store.write_steps(cur, step_rows())
         res.steps = n_groups
 
         # per-run collective rollup from the NEW collective rows only (additive)
@@ -402,20 +352,17 @@ class Compactor:
                 np.bincount(inv, weights=C["total_s"][newc], minlength=m),
                 np.bincount(inv, weights=np.nan_to_num(C["exposed_s"][newc]), minlength=m),
             ]
-            cur.executemany(
-                "INSERT INTO run_collectives (run_id, op, group_size, size_bucket, records, calls, bytes, total_s, exposed_s) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id, op, group_size, size_bucket) DO UPDATE SET "
-                "records = run_collectives.records + excluded.records, calls = run_collectives.calls + excluded.calls, "
-                "bytes = run_collectives.bytes + excluded.bytes, total_s = run_collectives.total_s + excluded.total_s, "
-                "exposed_s = run_collectives.exposed_s + excluded.exposed_s",
+            store.upsert_run_collectives(
+                cur,
                 [
                     (int(u[0]), int(u[1]), int(u[2]), int(u[3]), int(agg[0][i]), int(agg[1][i]), float(agg[2][i]),
                      float(agg[3][i]), float(agg[4][i]))
                     for i, u in enumerate(uniq)
                 ],
             )
+        writer = store.RollupWriter(cur)
         for fold in self.folds:
-            fold(cur, S=S, C=C, gid=gid, cgid=cgid, gkeys=gkeys)
+            fold(writer, S=S, C=C, gid=gid, cgid=cgid, gkeys=gkeys)
         # per-run counters
         per_run: dict[int, list[int]] = {}
         had = np.bincount(gid, weights=S["is_old"], minlength=n_groups)
@@ -428,24 +375,14 @@ class Compactor:
             n_new_steps = int((became & in_run).sum())
             per_run[r] = [new_s, new_c, n_new_steps, int(steps[in_run].max())]
             res.runs.add(r)
-        cur.executemany(
-            "UPDATE runs SET rank_steps = rank_steps + %s, collective_records = collective_records + %s, "
-            "steps = steps + %s, last_step = greatest(last_step, %s), last_seen_at = now() WHERE id = %s",
-            [(*v, k) for k, v in per_run.items()],
-        )
+        store.bump_run_counters(cur, [(*v, k) for k, v in per_run.items()])
 
     def _fold_modalities(self, cur: Any, mods: list) -> None:
         agg: dict[tuple[int, int, str], dict[int, int]] = {}
         for run_id, step, rank, modality, tokens in mods:
             agg.setdefault((run_id, step, modality), {}).setdefault(rank, int(tokens))
         keys = list(agg)
-        existing = {}
-        for run_id, step, modality, bits in cur.execute(
-            "SELECT run_id, step, modality, ranks::text FROM run_modalities WHERE (run_id, step, modality) IN "
-            "(SELECT * FROM unnest(%s::int[], %s::int[], %s::text[]))",
-            ([k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys]),
-        ).fetchall():
-            existing[(run_id, step, modality)] = set(ranks_of(bits).tolist())
+        existing = {k: set(ranks_of(bits).tolist()) for k, bits in store.modality_ranks(cur, keys).items()}
         rows = []
         for key, per_rank in agg.items():
             have = existing.get(key, set())
@@ -454,12 +391,7 @@ class Compactor:
                 continue
             all_ranks = np.array(sorted(have | set(add)))
             rows.append((key[0], key[1], key[2], sum(add.values()), bits_of(all_ranks)))
-        cur.executemany(
-            "INSERT INTO run_modalities (run_id, step, modality, tokens, ranks) VALUES (%s, %s, %s, %s, %s::varbit) "
-            "ON CONFLICT (run_id, step, modality) DO UPDATE SET tokens = run_modalities.tokens + excluded.tokens, "
-            "ranks = excluded.ranks",
-            rows,
-        )
+        store.upsert_modalities(cur, rows)
 
 
 def _decode_frags(frags: list, col: int, fields: tuple[tuple[str, str], ...]) -> dict[str, np.ndarray]:
@@ -519,20 +451,3 @@ def _sort_dedup(cols: dict[str, np.ndarray], key: np.ndarray, key2: np.ndarray |
     out = {k: v[keep] for k, v in cols.items()}
     out["_key"] = key[keep]
     return out, n - len(keep)
-
-
-def _grouped_medians(cols: list[np.ndarray], gid: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
-    """Per-group medians (NaN ignored) of several columns whose rows are sorted by group."""
-    n_groups = len(counts)
-    if n_groups and len(gid) and (counts == counts[0]).all() and counts[0] > 0:
-        k = int(counts[0])
-        stacked = np.stack(cols).reshape(len(cols), n_groups, k)
-        if not np.isnan(stacked).any():
-            return list(np.median(stacked, axis=2))
-        with np.errstate(all="ignore"):
-            import warnings
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                return list(np.nanmedian(stacked, axis=2))
-    return [grouped_median(c, gid, n_groups) for c in cols]

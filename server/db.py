@@ -14,6 +14,8 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine
 
+from .store.bootstrap import ensure_database
+
 __all__ = [
     "EmbeddedPostgres",
     "make_engine",
@@ -119,13 +121,7 @@ class EmbeddedPostgres:
         # attach to a postmaster another fleetscope process started here, but only stop our own
         self.owner = not self._running()
         self._server = pgserver.get_server(self.pgdata, cleanup_mode=None)
-        uri = self._server.get_uri()
-        import psycopg
-
-        with psycopg.connect(uri, autocommit=True) as conn:
-            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = 'fleetscope'").fetchone()
-            if not exists:
-                conn.execute("CREATE DATABASE fleetscope")
+        ensure_database(self._server.get_uri(), "fleetscope")
         log.info("embedded Postgres ready in %.2fs at %s", time.monotonic() - t0, self.pgdata)
         return self._server.get_uri("fleetscope")
 

@@ -9,7 +9,7 @@ from fastapi import Depends, HTTPException, Request
 from .auth import ANONYMOUS_ADMIN, Principal
 from .state import AppState
 
-__all__ = ["State", "get_state", "Scope", "require_token", "IngestAuth", "AdminAuth"]
+__all__ = ["State", "get_state", "Scope", "require_token", "IngestAuth", "AdminAuth", "IngestCaller", "AdminCaller"]
 
 Scope = Literal["ingest", "read", "admin"]
 
@@ -53,3 +53,6 @@ def require_token(scope: Scope) -> object:
 IngestAuth = require_token("ingest")
 #: administration (alert transitions)
 AdminAuth = require_token("admin")
+#: the principal of a write route, as a parameter (``who: IngestCaller``)
+IngestCaller = Annotated[Principal, IngestAuth]
+AdminCaller = Annotated[Principal, AdminAuth]

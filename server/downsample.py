@@ -110,7 +110,9 @@ def reduce_matrix(mat: np.ndarray, max_rows: int = 256, max_cols: int = 400, how
     """Reduce ``mat[rows, cols]`` by ``how`` (max, mean, min) over blocks of equal size."""
     if how not in ("max", "mean", "min"):
         raise ValueError(f"how must be max, mean or min, got {how!r}")
-    mat = np.asarray(mat, dtype=np.float64)
+    mat = np.asarray(mat)
+    if mat.dtype not in (np.float32, np.float64):  # float32 stays float32: a large matrix is not doubled
+        mat = mat.astype(np.float64)
     r, c = mat.shape
     fr = max(1, int(np.ceil(r / max_rows))) if r else 1
     fc = max(1, int(np.ceil(c / max_cols))) if c else 1
@@ -118,7 +120,7 @@ def reduce_matrix(mat: np.ndarray, max_rows: int = 256, max_cols: int = 400, how
     if fr == 1 and fc == 1:
         vals = mat.copy()
     else:
-        padded = np.full((nr * fr, nc * fc), np.nan)
+        padded = np.full((nr * fr, nc * fc), np.nan, dtype=mat.dtype)
         padded[:r, :c] = mat
         blocks = padded.reshape(nr, fr, nc, fc)
         fn = {"max": np.nanmax, "mean": np.nanmean, "min": np.nanmin}[how]

@@ -1,4 +1,4 @@
-"""Ingest: decode a batch, validate it, and land it in Postgres by binary COPY in one transaction.
+"""Ingest: decode a batch, validate it, and land it in Postgres in one transaction (``store.landing``).
 
 A batch lands as ONE row of ``ingest_fragments`` holding its records as compressed columnar
 blocks (numpy already holds them column-wise after validation), so the database does one small
@@ -25,7 +25,8 @@ from sqlalchemy import Engine
 from fleetscope.wire import MSGPACK_CONTENT_TYPE
 
 from .codec import FRAG_COLL_FIELDS, FRAG_STEP_FIELDS, encode_block
-from .db import raw_connection
+from .store import landing
+from .store import runs as run_store
 from .validate import BatchError, ValidBatch, validate_batch
 
 __all__ = ["IngestService", "Admission", "Overloaded"]
@@ -82,13 +83,23 @@ class IngestResult:
     accepted: dict[str, int]
 
 
+#: decoded bytes per compressed byte beyond which a body is a decompression bomb, not a batch (real
+#: batches: msgpack 3-10×, JSON up to ~30×); the floor lets small bodies of repeated values through
+MAX_GZIP_RATIO = 100
+_RATIO_FLOOR_BYTES = 1 << 20
+
+
 def _decompress(body: bytes, limit: int) -> bytes:
+    cap = min(limit, MAX_GZIP_RATIO * len(body) + _RATIO_FLOOR_BYTES)
     d = zlib.decompressobj(16 + zlib.MAX_WBITS)
     try:
-        out = d.decompress(body, limit + 1)
+        out = d.decompress(body, cap + 1)
     except zlib.error as e:
         raise BatchError("body", f"invalid gzip data ({e})", status=400) from None
-    if len(out) > limit or d.unconsumed_tail:
+    if len(out) > cap or d.unconsumed_tail:
+        if cap < limit:
+            raise BatchError("body", f"gzip body of {len(body)} bytes expands more than {MAX_GZIP_RATIO}× "
+                                     f"(past {cap} bytes): refused as a decompression bomb", status=413)
         raise BatchError("body", f"decompressed batch exceeds {limit} bytes", status=413)
     if not d.eof:
         raise BatchError("body", "truncated gzip data", status=400)
@@ -112,7 +123,9 @@ def decode_body(body: bytes, content_type: str | None, content_encoding: str | N
         try:
             return json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
-            raise BatchError("body", f"malformed JSON ({e})", status=400) from None
+            raise BatchError("body", f"malformed JSON ({str(e)[:200]})", status=400) from None
+        except RecursionError:
+            raise BatchError("body", "JSON nested too deeply", status=400) from None
     raise BatchError("Content-Type", f"unsupported media type {ctype!r} (use {MSGPACK_CONTENT_TYPE} or application/json)", status=415)
 
 
@@ -133,26 +146,39 @@ class IngestService:
         ws = self._world.get(run_id)
         if ws is not None:
             return ws
-        with self.engine.connect() as c:
-            row = c.exec_driver_sql("SELECT world_size FROM runs WHERE id = %(id)s", {"id": run_id}).fetchone()
-        if row is None:
+        ws = run_store.world_size(self.engine, run_id)
+        if ws is None:
             return None
         with self._world_lock:
-            self._world[run_id] = int(row[0])
-        return int(row[0])
+            self._world[run_id] = ws
+        return ws
 
     def forget_run(self, run_id: int) -> None:
         self._world.pop(run_id, None)
+
+    def ingest_body(self, body: bytes, content_type: str | None, content_encoding: str | None, *,
+                    max_decoded: int) -> IngestResult:
+        """One batch as received: admitted (backlog, then a writer slot) BEFORE it is decompressed and
+        parsed, so a burst of decode-heavy bodies queues or gets 429/503 instead of costing memory."""
+        if self.backlog_rows > self.backlog_max_rows:
+            raise Overloaded(429, "compaction backlog", 2)
+        with self.admission:
+            doc = decode_body(body, content_type, content_encoding, max_decoded=max_decoded)
+            del body
+            return self._ingest(doc)
 
     def ingest(self, doc: Any) -> IngestResult:
         """Validate and write one decoded batch (all or nothing)."""
         if self.backlog_rows > self.backlog_max_rows:
             raise Overloaded(429, "compaction backlog", 2)
+        with self.admission:
+            return self._ingest(doc)
+
+    def _ingest(self, doc: Any) -> IngestResult:
         batch = validate_batch(doc, self.world_size_of)
         if batch.n_records > self.max_batch_records:
             raise BatchError("batch", f"has {batch.n_records} records; the limit is {self.max_batch_records}", status=413)
-        with self.admission:
-            self._write(batch)
+        self._write(batch)
         return IngestResult(
             run_id=batch.run_id,
             accepted={
@@ -166,36 +192,8 @@ class IngestService:
 
     def _write(self, b: ValidBatch) -> None:
         t0 = time.perf_counter()
-        frag = encode_fragment(b)
-        with raw_connection(self.engine) as conn, conn.cursor() as cur:
-            if frag is not None:
-                cur.execute(
-                    "INSERT INTO ingest_fragments (run_id, n_rank_steps, n_collectives, step_min, step_max, "
-                    "rank_steps, collectives) VALUES (%s, %s, %s, %s, %s, %s, %s)",
-                    (b.run_id, *frag),
-                )
-            if b.modality_tokens:
-                ms = b.modality_tokens
-                with cur.copy("COPY modality_raw (run_id, step, rank, modality, tokens) FROM STDIN") as cp:
-                    for s, r, m, t in zip(ms["step"], ms["rank"], ms["modality"], ms["tokens"], strict=True):
-                        cp.write_row((b.run_id, int(s), int(r), m, int(t)))
-            if b.ranks:
-                cur.executemany(
-                    "INSERT INTO ranks (run_id, rank, host, node, local_rank, device) "
-                    "VALUES (%(run_id)s, %(rank)s, %(host)s, %(node)s, %(local_rank)s, %(device)s) "
-                    "ON CONFLICT (run_id, rank) DO UPDATE SET host = coalesce(excluded.host, ranks.host), "
-                    "node = coalesce(excluded.node, ranks.node), "
-                    "local_rank = coalesce(excluded.local_rank, ranks.local_rank), "
-                    "device = coalesce(excluded.device, ranks.device)",
-                    [{"run_id": b.run_id, **r} for r in b.ranks],
-                )
-            if b.events:
-                cur.executemany(
-                    "INSERT INTO run_events (run_id, rank, seq, kind, ts, step, data) "
-                    "VALUES (%(run_id)s, %(rank)s, %(seq)s, %(kind)s, %(ts)s, %(step)s, %(data)s::jsonb) "
-                    "ON CONFLICT (run_id, rank, seq) DO NOTHING",
-                    [{**e, "run_id": b.run_id, "data": json.dumps(e["data"])} for e in b.events],
-                )
+        landing.land_batch(self.engine, b.run_id, fragment=encode_fragment(b), modality_tokens=b.modality_tokens or None,
+                           ranks=b.ranks, events=b.events)
         log.debug("wrote batch run=%s records=%d in %.1f ms", b.run_id, b.n_records, (time.perf_counter() - t0) * 1e3)
 
 

@@ -86,6 +86,8 @@ class Run(Base):
     started_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
     finished_at: Mapped[dt.datetime | None] = mapped_column(TZ)
     last_seen_at: Mapped[dt.datetime | None] = mapped_column(TZ)
+    owner_token_id: Mapped[int | None] = mapped_column(Integer)
+    """the api_tokens.id that registered the run (None: before migration 0005, or auth disabled)"""
     # per-run rollup counters, maintained by the compactor
     rank_steps: Mapped[int] = mapped_column(BigInteger, server_default="0")
     collective_records: Mapped[int] = mapped_column(BigInteger, server_default="0")

@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from .codec import STEP_BLOCK_FIELDS, decode_block
-from .db import raw_connection
 from .downsample import MatrixReduction, reduce_matrix
+from .store import ranks as rank_store
+from .store import runs as run_store
+from .store import steps as step_store
 
 __all__ = ["RankMatrices", "rank_matrices", "rank_heatmap", "rank_slowdown", "clear_cache", "HEATMAP_FIELDS"]
 
@@ -34,6 +36,11 @@ log = logging.getLogger(__name__)
 HEATMAP_FIELDS = {"step_s": "step time", "work_s": "work time (step − exposed comm)"}
 _CACHE_BYTES = 512 * 1024 * 1024
 _FETCH_CHUNK = 500  # steps per query while loading blocks
+#: the most step × rank cells one run's matrices may hold (two float32 matrices: 64 MiB, so a run page
+#: stays well under 256 MiB with its derived arrays); a larger run is sampled (every k-th step), which
+#: the heatmap states. A 1,024-rank × 5,000-step run is held whole.
+MAX_CELLS = 8 * 1024 * 1024
+_MAX_RUN_LOCKS = 4096
 
 
 @dataclass
@@ -46,6 +53,7 @@ class RankMatrices:
     exposed_s: np.ndarray
     cells: int  # rank-steps held
     version: tuple[int, int]  # (runs.rank_steps, runs.steps) at load time
+    stride: int = 1  # every stride-th step is held (1: all)
     load_s: float = 0.0
     derived: dict[str, Any] = field(default_factory=dict)
 
@@ -141,68 +149,78 @@ class _Rows:
         self.a[self.n : self.n + k] = chunk
         self.n += k
 
+    def take(self, k: int) -> np.ndarray:
+        """The next ``k`` rows (NaN), to be filled in place."""
+        if self.n + k > len(self.a):
+            grown = np.full((max(2 * len(self.a), self.n + k), self.a.shape[1]), np.nan, dtype=np.float32)
+            grown[: self.n] = self.a[: self.n]
+            self.a = grown
+        self.n += k
+        return self.a[self.n - k : self.n]
+
     def done(self) -> np.ndarray:
         return self.a[: self.n] if self.n < len(self.a) else self.a
 
 
 def _load_blocks(engine: Engine, run_id: int, world: int, after: int | None,
-                 expect: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+                 expect: int = 0, stride: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Steps after ``after`` as (steps, step_s[step, rank], exposed_s[step, rank], cells)."""
-    # binary protocol: bytea arrives as bytes, ~5x faster than the hex text form for 100+ MB of blocks
     steps_l: list[np.ndarray] = []
     st, ex = _Rows(expect, world), _Rows(expect, world)
     cells = 0
-    lo = -1 if after is None else after
     full = np.arange(world)
     codec, zstd = _decompressor()
-    with raw_connection(engine) as conn, conn.cursor(binary=True) as cur:
-        while True:
-            cur.execute(
-                "SELECT step, block FROM steps WHERE run_id = %s AND step > %s AND n_ranks > 0 ORDER BY step LIMIT %s",
-                (run_id, lo, _FETCH_CHUNK),
-            )
-            rows = cur.fetchall()
-            if not rows:
-                break
-            raws = [_raw_block(b, codec, zstd) for _, b in rows]
-            fast = all(r is not None and r[0] == world for r in raws)
-            cols = _wanted([r[1] for r in raws], world) if fast else None  # type: ignore[index]
-            if cols is not None and np.array_equal(cols["rank"], np.broadcast_to(full, cols["rank"].shape)):
-                # every rank present, in rank order (the compactor sorts by rank): no scatter needed
-                st.add(cols["step_s"])
-                ex.add(cols["comm_exposed_s"])
-                cells += cols["rank"].size
-            else:
-                a = np.full((len(rows), world), np.nan, dtype=np.float32)
-                e = np.full((len(rows), world), np.nan, dtype=np.float32)
-                for i, (_, block) in enumerate(rows):
-                    d = decode_block(STEP_BLOCK_FIELDS, bytes(block))
-                    ranks = d["rank"]
-                    ok = (ranks >= 0) & (ranks < world)
-                    a[i, ranks[ok]] = d["step_s"][ok]
-                    e[i, ranks[ok]] = d["comm_exposed_s"][ok]
-                    cells += int(ok.sum())
-                st.add(a)
-                ex.add(e)
-            steps_l.append(np.array([r[0] for r in rows], dtype=np.int64))
-            if len(rows) < _FETCH_CHUNK:
-                break
-            lo = int(rows[-1][0])
+    for rows in step_store.iter_blocks(engine, run_id, after, _FETCH_CHUNK, stride):
+        raws = [_raw_block(b, codec, zstd) for _, b in rows]
+        fast = all(r is not None and r[0] == world for r in raws)
+        cols = _wanted([r[1] for r in raws], world) if fast else None  # type: ignore[index]
+        if cols is not None and np.array_equal(cols["rank"], np.broadcast_to(full, cols["rank"].shape)):
+            # every rank present, in rank order (the compactor sorts by rank): no scatter needed
+            st.add(cols["step_s"])
+            ex.add(cols["comm_exposed_s"])
+            cells += cols["rank"].size
+        else:
+            a, e = st.take(len(rows)), ex.take(len(rows))  # filled in place: no second copy of the chunk
+            for i, (_, block) in enumerate(rows):
+                d = decode_block(STEP_BLOCK_FIELDS, bytes(block))
+                ranks = d["rank"]
+                ok = (ranks >= 0) & (ranks < world)
+                a[i, ranks[ok]] = d["step_s"][ok]
+                e[i, ranks[ok]] = d["comm_exposed_s"][ok]
+                cells += int(ok.sum())
+        steps_l.append(np.array([r[0] for r in rows], dtype=np.int64))
     steps = np.concatenate(steps_l) if steps_l else np.empty(0, dtype=np.int64)
     return steps, st.done()[: steps.size], ex.done()[: steps.size], cells
 
 
-def rank_matrices(engine: Engine, run_id: int) -> RankMatrices | None:
-    """The run's per-rank matrices, from the cache when still current; None for an unknown run."""
-    key = (_ekey(engine), run_id)
+def _run_lock(key: tuple[Any, int]) -> threading.Lock:
+    """The per-run load lock; the table of them stays bounded (unheld locks are dropped first)."""
     with _lock:
-        run_lock = _run_locks.setdefault(key, threading.Lock())
-    with run_lock:
-        with engine.connect() as c:
-            row = c.execute(text("SELECT world_size, rank_steps, steps FROM runs WHERE id = :id"), {"id": run_id}).fetchone()
-        if row is None:
+        lk = _run_locks.get(key)
+        if lk is None:
+            if len(_run_locks) >= _MAX_RUN_LOCKS:
+                for k in [k for k, v in _run_locks.items() if not v.locked()]:
+                    del _run_locks[k]
+            lk = _run_locks[key] = threading.Lock()
+        return lk
+
+
+def rank_matrices(engine: Engine, run_id: int) -> RankMatrices | None:
+    """The run's per-rank matrices, from the cache when still current; None for an unknown run.
+
+    Their width is the ranks really seen (not the declared world size) and their size is bounded by
+    ``MAX_CELLS``: what a page costs depends on what was received, never on what was declared."""
+    if run_store.get_run(engine, run_id, pending=False) is None:
+        return None
+    key = (_ekey(engine), run_id)
+    with _run_lock(key):
+        run = run_store.get_run(engine, run_id, pending=False)
+        if run is None:
             return None
-        world, n_rank_steps, n_steps = int(row[0] or 1), int(row[1] or 0), int(row[2] or 0)
+        n_rank_steps, n_steps = int(run.rank_steps or 0), int(run.steps or 0)
+        declared = max(1, int(run.world_size or 1))
+        world = min(declared, step_store.rank_span(engine, run_id) or declared)
+        stride = max(1, -(-n_steps * world // MAX_CELLS))
         version = (n_rank_steps, n_steps)
         with _lock:
             cached = _cache.get(key)
@@ -212,14 +230,15 @@ def rank_matrices(engine: Engine, run_id: int) -> RankMatrices | None:
             return cached
         t0 = time.perf_counter()
         m: RankMatrices | None = None
-        if cached is not None and cached.step_s.shape[1] == world and cached.steps.size:
+        if (cached is not None and cached.step_s.shape[1] == world and cached.steps.size and stride == 1
+                and cached.stride == 1):
             s, a, e, cells = _load_blocks(engine, run_id, world, int(cached.steps[-1]))
             if cached.cells + cells == n_rank_steps:
                 m = RankMatrices(run_id, np.concatenate([cached.steps, s]), np.vstack([cached.step_s, a]),
                                  np.vstack([cached.exposed_s, e]), cached.cells + cells, version)
         if m is None:
-            s, a, e, cells = _load_blocks(engine, run_id, world, None, expect=n_steps)
-            m = RankMatrices(run_id, s, a, e, cells, version)
+            s, a, e, cells = _load_blocks(engine, run_id, world, None, expect=-(-n_steps // stride), stride=stride)
+            m = RankMatrices(run_id, s, a, e, cells, version, stride=stride)
         m.load_s = time.perf_counter() - t0
     log.debug("rank matrices of run %s: %d steps × %d ranks in %.2f s", run_id, m.steps.size, world, m.load_s)
     with _lock:
@@ -252,6 +271,7 @@ def rank_heatmap(
         m.derived[key] = red
     steps = m.steps
     return {
+        "sampled_every_steps": m.stride,
         "field": field,
         "label": HEATMAP_FIELDS[field],
         "how": how,
@@ -276,19 +296,27 @@ def rank_slowdown(engine: Engine, run_id: int) -> dict[str, Any] | None:
         return None
     cached = m.derived.get("slowdown")
     if cached is None:
-        work = m.work_s.astype(np.float64)
+        work = m.work_s  # float32 (steps, ranks)
         import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            med = np.nanmedian(work, axis=1)
-            ratio = work / med[:, None]
-            slow = np.nanmedian(ratio, axis=0) if work.size else np.empty(0)
-            lost = np.nansum(np.nanmax(work, axis=1) - med) if work.size else 0.0
+            slow = np.full(work.shape[1], np.nan)
+            if work.size:
+                med = np.nanmedian(work, axis=1)  # one partitioned copy of the matrix
+                lost = np.nansum(np.fmax.reduce(work, axis=1) - med)
+                # per rank, in column chunks: temporaries stay a few MiB whatever the width
+                for lo in range(0, work.shape[1], 4096):
+                    chunk = work[:, lo:lo + 4096]
+                    seen = ~np.isnan(chunk).all(axis=0)
+                    if seen.any():
+                        idx = np.flatnonzero(seen)
+                        slow[lo + idx] = np.nanmedian(chunk[:, idx] / med[:, None], axis=0)
+            else:
+                lost = 0.0
         cached = {"slowdown": slow, "time_lost_s": float(lost)}
         m.derived["slowdown"] = cached
-    with engine.connect() as c:
-        hosts = dict(c.execute(text("SELECT rank, coalesce(node, host) FROM ranks WHERE run_id = :id"), {"id": run_id}).fetchall())
+    hosts = rank_store.node_of_rank(engine, run_id)
     slow = cached["slowdown"]
     ranks = np.arange(slow.size)
     node_of = [hosts.get(int(r)) or "?" for r in ranks]

@@ -8,11 +8,17 @@ import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
-__all__ = ["RunRegistration", "register_run", "finish_run", "config_signature", "RUN_STATUSES"]
+from .jsonsafe import MAX_DEPTH, UnsafeValue, check_json, check_text
+from .store import runs as run_store
+
+__all__ = ["RunRegistration", "register_run", "finish_run", "delete_run", "NotOwner", "config_signature",
+           "RUN_STATUSES", "MAX_WORLD_SIZE"]
 
 RUN_STATUSES = ("running", "finished", "failed", "aborted")
+#: the largest world size a run may declare (a fleet of product scale is 4,096-16,384 ranks)
+MAX_WORLD_SIZE = 262_144
 
 
 class RunRegistration(BaseModel):
@@ -22,21 +28,43 @@ class RunRegistration(BaseModel):
 
     name: str = Field(min_length=1, max_length=256)
     model_family: str | None = Field(default=None, max_length=128)
-    config: dict[str, Any] = Field(default_factory=dict)
-    world_size: int = Field(default=1, ge=1, le=1_000_000)
-    mp_size: int | None = Field(default=None, ge=1, description="TP×PP ranks per data-parallel replica")
+    config: dict[str, Any] = Field(default_factory=dict, description=f"at most {MAX_DEPTH} levels deep")
+    world_size: int = Field(default=1, ge=1, le=MAX_WORLD_SIZE, strict=True)
+    mp_size: int | None = Field(default=None, ge=1, le=MAX_WORLD_SIZE, strict=True,
+                                description="TP×PP ranks per data-parallel replica")
     device_type: str | None = Field(default=None, max_length=64)
-    device_count: int | None = Field(default=None, ge=0)
-    peak_flops: float | None = Field(default=None, gt=0, description="peak dense FLOP/s per device")
+    device_count: int | None = Field(default=None, ge=0, le=1_000_000, strict=True)
+    peak_flops: float | None = Field(default=None, gt=0, le=1e21, description="peak dense FLOP/s per device")
     git_commit: str | None = Field(default=None, max_length=64)
     started_at: float | None = Field(default=None, ge=0, le=1e11, description="unix time the job started")
-    meta: dict[str, Any] = Field(default_factory=dict)
+    meta: dict[str, Any] = Field(default_factory=dict, description=f"at most {MAX_DEPTH} levels deep")
 
-    @field_validator("peak_flops", "started_at")
+    @field_validator("peak_flops", "started_at", mode="before")
     @classmethod
-    def _finite(cls, v: float | None) -> float | None:
-        if v is not None and not math.isfinite(v):
+    def _number(cls, v: Any) -> Any:
+        if v is not None and type(v) not in (int, float):  # strict: no "1e15" or true
+            raise ValueError(f"must be a number, got {type(v).__name__}")
+        if isinstance(v, float) and not math.isfinite(v):
             raise ValueError("must be finite")
+        return v
+
+    @field_validator("name", "model_family", "device_type", "git_commit")
+    @classmethod
+    def _text(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                check_text(v, "value", max_len=256)
+            except UnsafeValue as e:
+                raise ValueError(e.message) from None
+        return v
+
+    @field_validator("config", "meta")
+    @classmethod
+    def _json(cls, v: dict[str, Any]) -> dict[str, Any]:
+        try:
+            check_json(v, "value")
+        except UnsafeValue as e:
+            raise ValueError(f"{e.where.replace('value', '', 1).lstrip('.') or 'it'}: {e.message}") from None
         return v
 
 
@@ -72,60 +100,37 @@ def _mp_size(reg: RunRegistration) -> int:
         return 1
 
 
-def register_run(engine: Engine, reg: RunRegistration) -> dict[str, Any]:
-    """Create the run or return the existing one of that name (missing fields are filled in)."""
-    params = {
-        "name": reg.name,
-        "family": reg.model_family,
-        "config": json.dumps(reg.config, allow_nan=False),
-        "sig": config_signature(reg.config),
-        "ws": reg.world_size,
-        "mp": _mp_size(reg),
-        "dt": reg.device_type,
-        "dc": reg.device_count,
-        "peak": reg.peak_flops,
-        "git": reg.git_commit,
-        "meta": json.dumps(reg.meta, allow_nan=False, default=str),
-        "started": reg.started_at,
-    }
-    with engine.begin() as c:
-        row = c.execute(
-            text(
-                """
-                INSERT INTO runs (name, model_family, config, config_signature, world_size, mp_size, device_type,
-                                  device_count, peak_flops, git_commit, meta, started_at, status, last_seen_at)
-                VALUES (:name, :family, CAST(:config AS jsonb), :sig, :ws, :mp, :dt, :dc, :peak, :git,
-                        CAST(:meta AS jsonb), coalesce(to_timestamp(:started), now()), 'running', now())
-                ON CONFLICT (name) DO UPDATE SET
-                    model_family = coalesce(runs.model_family, excluded.model_family),
-                    config = CASE WHEN runs.config = '{}'::jsonb THEN excluded.config ELSE runs.config END,
-                    config_signature = CASE WHEN runs.config = '{}'::jsonb THEN excluded.config_signature
-                                            ELSE runs.config_signature END,
-                    world_size = greatest(runs.world_size, excluded.world_size),
-                    device_type = coalesce(runs.device_type, excluded.device_type),
-                    device_count = coalesce(runs.device_count, excluded.device_count),
-                    peak_flops = coalesce(runs.peak_flops, excluded.peak_flops),
-                    git_commit = coalesce(runs.git_commit, excluded.git_commit),
-                    meta = excluded.meta || runs.meta,
-                    status = 'running',
-                    finished_at = NULL,
-                    last_seen_at = now()
-                RETURNING id, name, world_size, (xmax = 0) AS created
-                """
-            ),
-            params,
-        ).one()
-    return {"id": row.id, "name": row.name, "world_size": row.world_size, "created": bool(row.created)}
+def register_run(engine: Engine, reg: RunRegistration, *, owner_token_id: int | None = None,
+                 admin: bool = True) -> dict[str, Any]:
+    """Create the run or join the existing one of that name. The token that created a run owns it:
+    only it (or an admin) fills in fields, raises the world size, reopens it or merges meta; any
+    other token gets the run's id and changes nothing."""
+    return run_store.upsert_run(
+        engine, name=reg.name, family=reg.model_family, config_json=json.dumps(reg.config, allow_nan=False),
+        signature=config_signature(reg.config), world_size=reg.world_size, mp_size=_mp_size(reg),
+        device_type=reg.device_type, device_count=reg.device_count, peak_flops=reg.peak_flops, git_commit=reg.git_commit,
+        meta_json=json.dumps(reg.meta, allow_nan=False, default=str), started_at=reg.started_at,
+        owner_token_id=owner_token_id, admin=admin,
+    )
 
 
-def finish_run(engine: Engine, run_id: int, status: str = "finished", finished_at: float | None = None) -> bool:
-    """Mark a run ended (at ``finished_at``, unix time, or now); False when there is no such run."""
+class NotOwner(PermissionError):
+    """A token that neither owns the run nor is admin tried to change it."""
+
+
+def finish_run(engine: Engine, run_id: int, status: str = "finished", finished_at: float | None = None, *,
+               token_id: int | None = None, admin: bool = True) -> bool:
+    """Mark a run ended (at ``finished_at``, unix time, or now); False when there is no such run.
+    Raises ``NotOwner`` when a non-admin token finishes another token's run."""
     if status not in RUN_STATUSES[1:]:
         raise ValueError(f"status must be one of {RUN_STATUSES[1:]}, got {status!r}")
-    with engine.begin() as c:
-        r = c.execute(
-            text("UPDATE runs SET status = :s, finished_at = coalesce(to_timestamp(CAST(:at AS float8)), now()) "
-                 "WHERE id = :id"),
-            {"s": status, "id": run_id, "at": finished_at},
-        )
-    return r.rowcount > 0
+    if not admin:
+        exists, owner = run_store.owner_of(engine, run_id)
+        if exists and owner is not None and owner != token_id:
+            raise NotOwner(f"run {run_id} belongs to another token; finishing it needs an admin token")
+    return run_store.finish_run(engine, run_id, status, finished_at)
+
+
+def delete_run(engine: Engine, run_id: int) -> dict[str, int] | None:
+    """Remove a run and everything that hangs off it (admin); rows deleted per table, None if absent."""
+    return run_store.delete_run(engine, run_id)

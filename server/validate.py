@@ -14,7 +14,9 @@ import numpy as np
 
 from fleetscope.wire import COLLECTIVE_OPS, SECTIONS, WIRE_VERSION, Field
 
-__all__ = ["BatchError", "ValidBatch", "validate_batch", "OP_CODE"]
+from .jsonsafe import UnsafeValue, check_json, check_text
+
+__all__ = ["BatchError", "ValidBatch", "validate_batch", "location", "OP_CODE"]
 
 OP_CODE = {op: i for i, op in enumerate(COLLECTIVE_OPS)}
 _MAX_INT32 = 2**31 - 1
@@ -35,10 +37,32 @@ class BatchError(ValueError):
         super().__init__(f"{where}: {message}")
 
     def detail(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"error": f"{self.where}: {self.message}", "where": self.where}
+        d: dict[str, Any] = {"error": f"{self.where}: {self.message}", "where": self.where, "loc": location(self.where)}
         if self.got is not None:
             d["got"] = _short(self.got)
         return d
+
+
+_RECORD_SECTIONS = frozenset({*SECTIONS, "records", "ranks", "events"})
+
+
+def location(where: str) -> dict[str, Any]:
+    """``where`` as this module writes it ("rank_steps.step_s[7]", "records[3].step_s", "ranks[2]",
+    "events[0].data.x", "run_id") taken apart, so that clients need not parse it: ``{"section",
+    "index", "field"}`` = the batch key holding the bad record (None: a top-level field), the record's
+    index in it (None: no single record is at fault) and the field (None: the whole record/section)."""
+    head, _, rest = where.partition(".")
+    name, bracket, idx = head.partition("[")
+    if name not in _RECORD_SECTIONS:  # a top-level field ("run_id", "v", ...) or the whole batch
+        return {"section": None, "index": None, "field": None if where in ("batch", "") else where}
+    field_name: str | None
+    if bracket:  # records[3].step_s, ranks[0].host, events[0].data.x: the index follows the section
+        field_name = rest.partition(".")[0].partition("[")[0] or None
+    else:  # rank_steps.step_s[7]: the index follows the column
+        field_name, _, idx = rest.partition("[")
+        field_name = field_name or None
+    idx = idx.partition("]")[0]
+    return {"section": name, "index": int(idx) if idx.isascii() and idx.isdigit() else None, "field": field_name}
 
 
 def _short(v: Any) -> Any:
@@ -69,11 +93,15 @@ class ValidBatch:
 
 
 _INT32_FIELDS = {"rank", "step", "seq", "group_size", "calls", "flags"}
+_NUMBER_TYPES = frozenset({int, float, type(None)})
+_MAX_UNIX_TS = 1e11  # unix seconds (year ~5100): larger is not a time
 
 
 def _max_of(f: Field) -> float:
     if f.name in _INT32_FIELDS:
         return float(_MAX_INT32)
+    if f.name in ("ts", "start_ts"):
+        return _MAX_UNIX_TS
     if f.type == "int":
         return 2.0**62
     return _MAX_FLOAT
@@ -111,19 +139,22 @@ def _column(section: str, f: Field, values: Any, n: int, index_map: list[int] | 
         bad = next((i for i, v in enumerate(values) if not isinstance(v, str)), None)
         if bad is not None:
             raise BatchError(_loc(section, bad, f.name, index_map), "must be a string", got=values[bad])
-        bad = next((i for i, v in enumerate(values) if not v or len(v) > 64), None)
-        if bad is not None:
-            raise BatchError(_loc(section, bad, f.name, index_map), "must be 1..64 characters", got=values[bad])
+        for i, v in enumerate(values):
+            try:
+                check_text(v, f.name, max_len=64)
+            except UnsafeValue as e:
+                raise BatchError(_loc(section, i, f.name, index_map), e.message, got=v) from None
         return np.array(values, dtype=object)
+    kinds = set(map(type, values))
+    if not kinds <= _NUMBER_TYPES:  # strict: no "1.0", true or [1.0] taken for numbers
+        bad = next(i for i, v in enumerate(values) if type(v) not in _NUMBER_TYPES)
+        raise BatchError(_loc(section, bad, f.name, index_map),
+                         f"must be a number ({f.type}), got {type(values[bad]).__name__}", got=values[bad])
     try:
         arr = np.array(values, dtype=np.float64)
-    except (TypeError, ValueError):
-        bad = next(
-            i for i, v in enumerate(values) if not (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)))
-        )
-        raise BatchError(
-            _loc(section, bad, f.name, index_map), f"must be a number ({f.type})", got=values[bad]
-        ) from None
+    except OverflowError:  # an integer beyond float range (hundreds of digits)
+        bad = next(i for i, v in enumerate(values) if isinstance(v, int) and abs(v) > 2**1000)
+        raise BatchError(_loc(section, bad, f.name, index_map), "is out of range", got=values[bad]) from None
     nan = np.isnan(arr)
     if nan.any():
         for i in np.flatnonzero(nan):
@@ -309,8 +340,11 @@ def _ranks(items: list[tuple[str, Any]], world_size: int) -> list[dict[str, Any]
         d: dict[str, Any] = {"rank": rank, "local_rank": _int(r.get("local_rank"), f"{where}.local_rank", optional=True)}
         for k in ("host", "node", "device"):
             v = r.get(k)
-            if v is not None and (not isinstance(v, str) or len(v) > 256):
-                raise BatchError(f"{where}.{k}", "must be a string of at most 256 characters", got=v)
+            if v is not None:
+                try:
+                    check_text(v, k, max_len=256)
+                except UnsafeValue as e:
+                    raise BatchError(f"{where}.{k}", e.message, got=v) from None
             d[k] = v
         out.append(d)
     return out
@@ -321,15 +355,20 @@ def _events(items: list[tuple[str, Any]], world_size: int) -> list[dict[str, Any
     for where, e in items:
         rank = _object_with_rank(e, where, _EVENT_KEYS, world_size)
         kind = e.get("kind")
-        if not isinstance(kind, str) or not 0 < len(kind) <= 64:
-            raise BatchError(f"{where}.kind", "must be a string of 1..64 characters", got=kind)
+        try:
+            check_text(kind, "kind", max_len=64)
+        except UnsafeValue as err:
+            raise BatchError(f"{where}.kind", err.message, got=kind) from None
         ts = e.get("ts")
-        if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts)):
-            raise BatchError(f"{where}.ts", "must be a finite number", got=ts)
+        if ts is not None and (type(ts) not in (int, float) or not 0 <= ts <= _MAX_UNIX_TS):
+            raise BatchError(f"{where}.ts", f"must be a unix time in seconds (0..{_MAX_UNIX_TS:.0e})", got=ts)
         data = e.get("data") or {}
         if not isinstance(data, dict):
             raise BatchError(f"{where}.data", "must be an object", got=data)
-        _check_json_finite(data, f"{where}.data")
+        try:
+            check_json(data, f"{where}.data")
+        except UnsafeValue as err:
+            raise BatchError(err.where, err.message) from None
         out.append(
             {
                 "rank": rank,
@@ -341,23 +380,6 @@ def _events(items: list[tuple[str, Any]], world_size: int) -> list[dict[str, Any
             }
         )
     return out
-
-
-def _check_json_finite(v: Any, where: str, depth: int = 0) -> None:
-    if depth > 16:
-        raise BatchError(where, "is nested too deeply")
-    if isinstance(v, float) and not math.isfinite(v):
-        raise BatchError(where, "must be finite", got=v)
-    if isinstance(v, dict):
-        for k, x in v.items():
-            if not isinstance(k, str):
-                raise BatchError(where, "keys must be strings", got=k)
-            _check_json_finite(x, f"{where}.{k}", depth + 1)
-    elif isinstance(v, list):
-        for i, x in enumerate(v):
-            _check_json_finite(x, f"{where}[{i}]", depth + 1)
-    elif not (v is None or isinstance(v, (str, int, float, bool))):
-        raise BatchError(where, f"must be JSON (got {type(v).__name__})")
 
 
 def validate_batch(doc: Any, world_size_of: Any) -> ValidBatch:

@@ -7,7 +7,7 @@ from typing import Any
 
 import dash
 from dash import Input, Output, callback, clientside_callback, dcc, html
-from fleetscope.server import views
+from fleetscope.server import reports
 
 from .. import _state
 from .. import figures as F
@@ -22,7 +22,7 @@ CHARTS = "benchmarks-charts"
 
 def layout(cluster: str | None = None, **_: Any) -> html.Div:
     try:
-        series = views.benchmarks_view(_state.engine())
+        series = reports.benchmarks_view(_state.engine())
     except _state.NotReady as e:
         return empty_state("Starting up", str(e))
     if not series:
@@ -44,7 +44,7 @@ def layout(cluster: str | None = None, **_: Any) -> html.Div:
 
 @callback(Output(CHARTS, "children"), Input(CLUSTER, "value"))
 def _fill(cluster: str | None) -> Any:
-    series = [s for s in views.benchmarks_view(_state.engine()) if not cluster or s["cluster"] == cluster]
+    series = [s for s in reports.benchmarks_view(_state.engine()) if not cluster or s["cluster"] == cluster]
     names = sorted({s["name"] for s in series})
     charts = [section(None, graph("benchmarks-size", F.busbw_by_size_figure(series)))] if any(
         (s.get("params") or {}).get("bytes") is not None for s in series) else []

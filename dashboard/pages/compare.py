@@ -7,7 +7,7 @@ from typing import Any
 
 import dash
 from dash import Input, Output, callback, clientside_callback, dcc, html
-from fleetscope.server import views
+from fleetscope.server import reports
 
 from .. import _state
 from .. import figures as F
@@ -53,7 +53,7 @@ def _ids(runs: str | None) -> list[int]:
 
 def layout(runs: str | None = None, diff: str | None = None, **_: Any) -> html.Div:
     try:
-        opts = views.run_options(_state.engine())
+        opts = reports.run_options(_state.engine())
     except _state.NotReady as e:
         return empty_state("Starting up", str(e))
     ids = _ids(runs)
@@ -93,7 +93,7 @@ def _fill(ids: list[int] | None, only_diff: list[str] | None) -> tuple[Any, ...]
                         "a diff of normalised metrics (tokens/s/GPU, MFU, step time per 1k tokens) and the config diff "
                         "appear here; copy the URL to share exactly this view.")
         return e, F.compare_series_figure({}, {}), F.compare_decomposition_figure({}, {}), None
-    data = views.compare_view(_state.engine(), ids)
+    data = reports.compare_view(_state.engine(), ids)
     names = {r["id"]: r["name"] for r in data["runs"]}
     runs = data["runs"]
     head = ["metric"] + [html.A(names[r["id"]], href=f"/runs/{r['id']}") for r in runs]

@@ -8,10 +8,10 @@ from typing import Any
 import dash
 from dash import Input, Output, callback, clientside_callback, dash_table, dcc, html
 from dash.dash_table.Format import Format, Scheme
-from fleetscope.server import views
+from fleetscope.server import reports
 
 from .. import _state
-from ..components import URL_SYNC_JS, empty_state, kpi, kpi_strip, loading, page_header
+from ..components import URL_SYNC_JS, empty_state, kpi, kpi_strip, loading, md_escape, page_header
 from ..theme import FONT, fmt_num, fmt_time
 
 dash.register_page(__name__, path="/", name="Fleet", title="fleetscope · fleet", order=0)
@@ -63,7 +63,7 @@ def _parse_sort(sort: str | None) -> list[dict[str, str]]:
 def layout(family: str | None = None, status: str | None = None, q: str | None = None, sort: str | None = None,
            **_: Any) -> html.Div:
     try:
-        fams = views.families(_state.engine())
+        fams = reports.families(_state.engine())
     except _state.NotReady:
         fams = []
     return html.Div([
@@ -107,7 +107,7 @@ def layout(family: str | None = None, status: str | None = None, q: str | None =
 def _row(r: dict[str, Any]) -> dict[str, Any]:
     top = r.get("top_bottleneck")
     return {
-        "name": f"[{r['name']}](/runs/{r['id']})",
+        "name": f"[{md_escape(r['name'])}](/runs/{int(r['id'])})",
         "model_family": r.get("model_family") or "–",
         "world_size": r.get("world_size"),
         "device_type": r.get("device_type") or "–",
@@ -134,7 +134,7 @@ def _fill(family: str | None, status: str | None, q: str | None) -> tuple[Any, .
         eng = _state.engine()
     except _state.NotReady as e:
         return [], [], empty_state("Starting up", str(e)), {"display": "none"}, ""
-    rows = views.fleet_rows(eng, family=family or None, status=status or None, q=(q or "").strip() or None, limit=LIMIT)
+    rows = reports.fleet_rows(eng, family=family or None, status=status or None, q=(q or "").strip() or None, limit=LIMIT)
     if not rows:
         if family or status or q:
             empty = empty_state("No runs match these filters", "Clear the family, status or name filter to see every run.")

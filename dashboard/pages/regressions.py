@@ -7,7 +7,7 @@ from typing import Any
 
 import dash
 from dash import Input, Output, callback, dcc, html
-from fleetscope.server import views
+from fleetscope.server import reports
 
 from .. import _state
 from .. import figures as F
@@ -52,7 +52,7 @@ def _series_label(a: dict[str, Any]) -> Any:
 def layout(state: str | None = None, alert: str | None = None, **_: Any) -> html.Div:
     state = state if state in STATES else "firing"
     try:
-        alerts = views.alerts_view(_state.engine(), state=None if state == "all" else state)
+        alerts = reports.alerts_view(_state.engine(), state=None if state == "all" else state)
     except _state.NotReady as e:
         return empty_state("Starting up", str(e))
     tabs = html.Div([dcc.Link(s, href=f"/regressions?state={s}", className="fs-tab" + (" fs-tab-on" if s == state else ""))
@@ -90,10 +90,10 @@ def layout(state: str | None = None, alert: str | None = None, **_: Any) -> html
 @callback(Output(CHART, "figure"), Output(DETAIL, "children"), Input(ALERT, "data"))
 def _detail(alert_id: int) -> tuple[Any, Any]:
     eng = _state.engine()
-    a = next((x for x in views.alerts_view(eng) if x["id"] == alert_id), None)
+    a = next((x for x in reports.alerts_view(eng) if x["id"] == alert_id), None)
     if a is None:
         return F.empty_figure("Alert not found."), None
-    ser = views.alert_series(eng, a)
+    ser = reports.alert_series(eng, a)
     fb = a.get("first_bad") or {}
     unit = (a.get("details") or {}).get("unit")
     first_bad = ", ".join(f"{k} {fmt_time(v) if k in ('ts', 'started_at') else v}" for k, v in fb.items()

@@ -12,7 +12,7 @@ from typing import Any
 
 import dash
 from dash import Input, Output, callback, clientside_callback, dcc, html
-from fleetscope.server import queries, views
+from fleetscope.server import reports
 
 from .. import _state
 from .. import figures as F
@@ -67,7 +67,7 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
         eng = _state.engine()
     except _state.NotReady as e:
         return empty_state("Starting up", str(e))
-    run = queries.get_run(eng, rid) if rid else None
+    run = reports.get_run(eng, rid) if rid else None
     if run is None:
         return html.Div([page_header("Run not found"),
                          empty_state(f"There is no run {run_id!r}", "Pick a run on the fleet page.",
@@ -164,11 +164,11 @@ def _bottleneck_panel(summary: dict[str, Any], report: dict[str, Any]) -> html.D
 )
 def _series(rid: int) -> tuple[Any, ...]:
     eng = _state.engine()
-    summary = views.cached("summary", eng, rid, lambda: queries.run_summary(eng, rid)) or {}
-    series = dict(views.cached("series", eng, rid, lambda: views.run_series(eng, rid)))
+    summary = reports.run_page_summary(eng, rid) or {}
+    series = dict(reports.run_series(eng, rid))
     series["mfu_estimated"] = summary.get("mfu_estimated")
     d = summary.get("decomposition") or {}
-    report = views.bottleneck_report(eng, rid, summary) if summary else {"ranking": [], "findings": [], "source": "none"}
+    report = reports.bottleneck_report(eng, rid, summary) if summary else {"ranking": [], "findings": [], "source": "none"}
     ws = (summary.get("run") or {}).get("world_size") or 1
     kpis = [
         kpi("step p50", fmt_s(d.get("step_s")), f"p95 slowest rank {fmt_s(summary.get('step_s_p95'))}"),
@@ -185,21 +185,21 @@ def _series(rid: int) -> tuple[Any, ...]:
     ]
     return (kpis, _bottleneck_panel(summary, report), F.decomposition_figure(series),
             F.throughput_figure(series), F.memory_figure(series),
-            F.modality_figure(views.cached("modalities", eng, rid, lambda: views.modality_series(eng, rid)),
+            F.modality_figure(reports.modality_series(eng, rid),
                               series.get("packing")))
 
 
 @callback(Output(HEATMAP, "figure"), Input(RUN, "data"), Input(HEAT_FIELD, "value"), Input(HEAT_AGG, "value"))
 def _heatmap(rid: int, field: str, agg: str) -> Any:
-    return F.heatmap_figure(views.rank_heatmap(_state.engine(), rid, field=field or "work_s", how=agg or "max"))
+    return F.heatmap_figure(reports.rank_heatmap(_state.engine(), rid, field=field or "work_s", how=agg or "max"))
 
 
 @callback(Output(STRAGGLERS, "figure"), Output(STRAGGLER_TABLE, "children"), Input(RUN, "data"))
 def _stragglers(rid: int) -> tuple[Any, Any]:
     eng = _state.engine()
-    sd = views.rank_slowdown(eng, rid)
-    rep = views.cached("stragglers", eng, rid, lambda: views.analysis("stragglers", eng, run_id=rid))
-    if isinstance(rep, dict):
+    sd = reports.rank_slowdown(eng, rid)
+    rep = reports.straggler_view(eng, rid)
+    if rep is not None:
         items = rep.get("stragglers") or []
         nodes = rep.get("nodes") or []
         if not items:
@@ -229,7 +229,7 @@ def _stragglers(rid: int) -> tuple[Any, Any]:
 @callback(Output(COLLECTIVES, "figure"), Output(COLLECTIVE_TABLE, "children"), Input(RUN, "data"))
 def _collectives(rid: int) -> tuple[Any, Any]:
     eng = _state.engine()
-    view = views.cached("collectives", eng, rid, lambda: views.collectives_view(eng, rid))
+    view = reports.collectives_view(eng, rid)
     rows = view["rows"]
     if not rows:
         return F.collectives_figure(rows), empty_state(
@@ -284,23 +284,23 @@ def _traces_section(traces: Any) -> Any:
 @callback(Output(EXTRAS, "children"), Output(CONFIG, "children"), Input(RUN, "data"))
 def _extras(rid: int) -> tuple[Any, Any]:
     eng = _state.engine()
-    run = queries.get_run(eng, rid) or {}
+    run = reports.get_run(eng, rid) or {}
     parts = []
-    good = views.analysis("goodput", eng, run_id=rid)
-    if isinstance(good, dict) and good.get("goodput") is not None:
+    good = reports.goodput(eng, rid)
+    if good is not None and good.get("goodput") is not None:
         shares = good.get("badput_share") or {}
         tiles = [kpi("goodput", fmt_pct(good.get("goodput")), f"productive of {fmt_s(good.get('wall_s'))} wall"
                      + (" · estimated (no run events)" if good.get("estimated") else ""))]
         for k, v in (good.get("badput") or {}).items():
             tiles.append(kpi(str(k).removesuffix("_s").replace("_", " "), fmt_s(v), fmt_pct(shares.get(k)) + " of wall"))
         parts.append(section("Goodput", kpi_strip(tiles, kid="run-goodput")))
-    events = views.run_events(eng, rid)
+    events = reports.run_events(eng, rid)
     if events:
         rows = [[fmt_time(e["ts"]), e["kind"], e["rank"], e["step"] if e["step"] is not None else "–",
                  json.dumps(e["data"], default=str)[:120]] for e in events[:100]]
         parts.append(section(f"Events ({len(events)})", html.Div(
             simple_table(["time (UTC)", "kind", "rank", "step", "data"], rows, numeric=(2, 3)), className="fs-scroll")))
-    tr = _traces_section(views.run_traces(eng, rid))
+    tr = _traces_section(reports.run_traces(eng, rid))
     if tr is not None:
         parts.append(tr)
     cfg = run.get("config") or {}

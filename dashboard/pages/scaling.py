@@ -7,7 +7,7 @@ from typing import Any
 
 import dash
 from dash import Input, Output, callback, clientside_callback, dcc, html
-from fleetscope.server import views
+from fleetscope.server import reports
 
 from .. import _state
 from .. import figures as F
@@ -28,7 +28,7 @@ MAX_CONFIGS = 4
 
 def layout(family: str | None = None, **_: Any) -> html.Div:
     try:
-        fams = views.families(_state.engine())
+        fams = reports.families(_state.engine())
     except _state.NotReady as e:
         return empty_state("Starting up", str(e))
     if not fams:
@@ -54,7 +54,7 @@ def layout(family: str | None = None, **_: Any) -> html.Div:
 @callback(Output(THROUGHPUT, "figure"), Output(EFFICIENCY, "figure"), Output(DECOMP, "children"), Output(TABLE, "children"),
           Input(FAMILY, "value"))
 def _fill(family: str) -> tuple[Any, ...]:
-    data = views.scaling_view(_state.engine(), family)
+    data = reports.scaling_view(_state.engine(), family)
     cfgs = data["configs"][:MAX_CONFIGS]
     data = {**data, "configs": cfgs}
     if not cfgs:

@@ -1,59 +1,15 @@
-"""Analysis: bottlenecks, stragglers, scaling, regressions (docs/metrics.md).
+"""Analysis (docs/metrics.md, docs/analysis.md): pure functions over data the store loaded.
 
-Public functions (engine first, then keyword arguments; docs/analysis.md has the signatures).
-Imported lazily, so ``fleetscope.server.analysis.cli`` stays light for the command line.
+Nothing here touches the database: every function takes rows (``store.rows``), numpy frames or plain
+values and returns plain values, so it is tested without Postgres. The façade
+``fleetscope.server.reports`` loads what each needs and composes them.
+
+- ``figures``: per-run figures (MFU, throughput, step time per 1k tokens, shares, …), each defined once
+- ``bottlenecks``: shares of step time, Amdahl ceilings and findings
+- ``stragglers``: the straggler report from per-rank rollups or step blocks
+- ``collectives``: busbw and efficiency against the declared link peaks
+- ``goodput``: productive share of wall time and the badput by cause
+- ``scaling``: scaling curves and cross-run comparison
+- ``regressions``: regressions of run, benchmark and within-run series (``fleetscope.changepoint``)
+- ``rollups``: the per-rank straggler rollup fold the compactor runs
 """
-
-from __future__ import annotations
-
-import importlib
-import sys
-import types
-from typing import Any
-
-__all__ = [
-    "run_stragglers",
-    "run_bottlenecks",
-    "run_goodput",
-    "collective_efficiency",
-    "scaling",
-    "compare_runs",
-    "run_stats",
-    "check_run",
-    "detect",
-    "change_points",
-    "fold_rank_rollups",
-]
-
-_WHERE = {
-    "run_stragglers": "stragglers",
-    "run_bottlenecks": "bottlenecks",
-    "run_goodput": "goodput",
-    "collective_efficiency": "collectives",
-    "scaling": "scaling",
-    "compare_runs": "scaling",
-    "run_stats": "runstats",
-    "check_run": "regressions",
-    "detect": "changepoint",
-    "change_points": "changepoint",
-    "fold_rank_rollups": "rollups",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class _Package(types.ModuleType):
-    """``scaling`` names both a submodule and its function: importing the submodule binds it on the
-    package, which would hide the function; keep the function bound instead."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "scaling" and isinstance(value, types.ModuleType) and hasattr(value, "scaling"):
-            value = value.scaling
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -3,9 +3,9 @@
 Per step, from the cross-rank medians of the ``steps`` rollup: data, compute, other, exposed comm
 and straggler wait (max work − median work over ranks). In a synchronous job the median rank does
 that waiting *inside* its collectives, so the wait is carved out of its exposed comm (never counted
-twice); shares are sums over steps divided by the summed total, so they add up to 1. Eliminating a
-component of share p speeds a step up by at most 1/(1 − p). Components are ranked by that ceiling;
-findings name a cause where the data shows one.
+twice); shares are sums over steps divided by the summed total, so they add up to 1
+(``figures.component_shares``). Eliminating a component of share p speeds a step up by at most
+1/(1 − p). Components are ranked by that ceiling; findings name a cause where the data shows one.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine
 
-__all__ = ["run_bottlenecks", "summary_bottlenecks", "FINDING_LIMITS"]
+from ..store.rows import RankRollups
+from .figures import RunFigures, amdahl_ceiling
+
+__all__ = ["bottleneck_report", "summary_bottlenecks", "data_stall_ranks", "FINDING_LIMITS"]
 
 #: thresholds of the findings (documented in docs/analysis.md)
 FINDING_LIMITS = {
@@ -43,90 +45,46 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%" if x >= 0.01 else f"{100 * x:.1f}%"
 
 
-def _shares(s: dict[str, np.ndarray]) -> dict[str, float] | None:
-    def tot(k: str) -> float:
-        v = s[k]
-        return float(np.nansum(v)) if v.size else 0.0
-
-    wait_steps = np.clip(np.nan_to_num(s["work_s_max"] - s["work_s"]), 0, None)
-    exposed = np.nan_to_num(s["comm_exposed_s"])
-    wait_in = np.minimum(wait_steps, exposed)
-    parts = {
-        "data": tot("data_s"),
-        "compute": tot("compute_s"),
-        "comm_exposed": float(np.sum(exposed - wait_in)),
-        "other": tot("other_s"),
-        "straggler_wait": float(np.sum(wait_in)),
-    }
-    total = sum(parts.values())
-    if total <= 0:
-        return None
-    return {k: v / total for k, v in parts.items()}
-
-
-def _data_stall_ranks(engine: Engine, run_id: int) -> list[dict[str, Any]]:
-    """Ranks whose data share is far above the median rank's (from the per-rank rollups)."""
-    from sqlalchemy import text
-
-    lim = FINDING_LIMITS
-    with engine.connect() as c:
-        med, n = c.execute(
-            text("SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY data_s / nullif(step_s, 0)), count(*) "
-                 "FROM rank_rollups WHERE run_id = :id AND steps > 0"),
-            {"id": run_id},
-        ).one()
-        if not n or n < 2:
-            return []
-        bar = max(lim["data_rank_share"], lim["data_rank_factor"] * max(float(med or 0.0), 1e-9))
-        rows = c.execute(
-            text(
-                "SELECT r.rank, k.host, r.data_s / r.step_s FROM rank_rollups r LEFT JOIN ranks k "
-                "ON k.run_id = r.run_id AND k.rank = r.rank WHERE r.run_id = :id AND r.steps > 0 AND r.step_s > 0 "
-                "AND r.data_s / r.step_s >= :bar ORDER BY 3 DESC LIMIT :lim"
-            ),
-            {"id": run_id, "bar": bar, "lim": int(n) // 4 + 1},
-        ).fetchall()
-    # "some ranks only": a minority; when most ranks stall it is the data component's own finding
-    if len(rows) > int(n) // 4:
+def data_stall_ranks(roll: RankRollups | None, hosts: dict[int, tuple[str | None, str | None]]) -> list[dict[str, Any]]:
+    """Ranks whose data share (Σ data / Σ step over their steps) is far above the median rank's — a
+    minority of them ("some ranks only"); when most ranks stall it is the data component's own finding."""
+    if roll is None:
         return []
-    return [{"rank": int(r[0]), "host": r[1], "data_share": float(r[2])} for r in rows]
+    a = roll.arr
+    n = len(a["rank"])
+    if n < 2:
+        return []
+    lim = FINDING_LIMITS
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = np.where(a["step_s"] != 0, a["data_s"] / a["step_s"], np.nan)
+    known = share[np.isfinite(share)]
+    med = float(np.median(known)) if known.size else 0.0
+    bar = max(lim["data_rank_share"], lim["data_rank_factor"] * max(med, 1e-9))
+    hit = np.flatnonzero((a["step_s"] > 0) & (np.nan_to_num(share, nan=-np.inf) >= bar))
+    hit = hit[np.argsort(-share[hit], kind="stable")][: n // 4 + 1]
+    if len(hit) > n // 4:
+        return []
+    return [{"rank": int(a["rank"][j]), "host": hosts.get(int(a["rank"][j]), (None, None))[0],
+             "data_share": float(share[j])} for j in hit]
 
 
-def run_bottlenecks(
-    engine: Engine,
-    run_id: int,
-    *,
-    steps: dict[str, np.ndarray] | None = None,
-    summary: dict[str, Any] | None = None,
-    stragglers: dict[str, Any] | None = None,
-) -> dict[str, Any] | None:
+def bottleneck_report(run_id: int, fig: RunFigures, *, efficiency_large_messages: float | None,
+                      stall_ranks: list[dict[str, Any]], stragglers: dict[str, Any] | None) -> dict[str, Any]:
     """The bottleneck report: components ranked by Amdahl ceiling, each with its findings.
 
-    ``steps``/``summary``/``stragglers`` may be passed by a caller that already has them (the
-    run summary does), to avoid reading them twice."""
-    from ..queries import get_run, run_steps
-    from .collectives import collective_efficiency
-    from .stragglers import run_stragglers
-
-    if summary is None:
-        run = get_run(engine, run_id)
-        if run is None:
-            return None
-    else:
-        run = summary["run"]
-    s = steps if steps is not None else run_steps(engine, run_id)
+    ``efficiency_large_messages``: time-weighted busbw efficiency of ≥ 1 MiB collectives
+    (``collectives.collective_efficiency``); ``stall_ranks``: :func:`data_stall_ranks`;
+    ``stragglers``: the straggler report (``stragglers.straggler_report``)."""
     out: dict[str, Any] = {"run_id": run_id, "components": [], "findings": []}
-    if not s["step"].size:
-        return out
-    shares = _shares(s)
-    if shares is None:
+    shares = fig.shares
+    if not fig.steps or shares is None:
         return out
     findings: dict[str, list[str]] = {k: [] for k in shares}
     lim = FINDING_LIMITS
 
     # exposed communication: overlap and link efficiency
-    comm_total, exposed = np.nansum(s["comm_total_s"]), np.nansum(s["comm_exposed_s"])
-    wait_total = float(np.nansum(np.clip(np.nan_to_num(s["work_s_max"] - s["work_s"]), 0, None)))
+    comm_total, exposed = fig.sum_comm_total_s or 0.0, fig.sum_comm_exposed_s or 0.0
+    wait_total = fig.sum_wait_s or 0.0
     overlap = None
     if comm_total > 0:
         # the straggler wait sits inside both exposed and total comm time: leave it out of the overlap
@@ -137,38 +95,30 @@ def run_bottlenecks(
                 f"low overlap: only {_pct(overlap)} of communication is hidden behind compute "
                 "(use larger gradient buckets / overlap the all-reduce with backward)"
             )
-    eff = collective_efficiency(engine, run_id, run=run)
-    if eff and eff["efficiency_large_messages"] is not None:
-        e = eff["efficiency_large_messages"]
-        if e < lim["busbw_efficiency_low"]:
-            findings["comm_exposed"].append(
-                f"low bus bandwidth: large collectives reach {_pct(e)} of the link peak (check NCCL settings, "
-                "topology, network)"
-            )
+    e = efficiency_large_messages
+    if e is not None and e < lim["busbw_efficiency_low"]:
+        findings["comm_exposed"].append(
+            f"low bus bandwidth: large collectives reach {_pct(e)} of the link peak (check NCCL settings, "
+            "topology, network)"
+        )
     # compute: low MFU while compute-bound
-    mfu = summary.get("mfu") if summary else None
-    if mfu is None and run.get("peak_flops") and s["flops"].size:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            v = s["flops"] / (s["n_ranks"] * s["step_s"] * run["peak_flops"])
-        v = v[np.isfinite(v)]
-        mfu = float(np.median(v)) if v.size else None
+    mfu = fig.mfu
     if mfu is not None and shares["compute"] >= lim["compute_bound_share"] and mfu < lim["mfu_low"]:
         findings["compute"].append(
             f"low MFU while compute-bound: {_pct(mfu)} of peak with compute {_pct(shares['compute'])} of the step "
             "(kernel efficiency: fusion, larger micro-batches, bf16, compile)"
         )
     # other: allocator retries
-    retries = float(np.nansum(s["alloc_retries"])) if s["alloc_retries"].size else 0.0
+    retries = fig.alloc_retries or 0.0
     if retries > 0:
         findings["other"].append(
             f"allocator retries: the caching allocator had to free and retry {retries:.0f} times "
             "(memory pressure: lower the batch, set expandable_segments, reduce fragmentation)"
         )
-    neg = int(np.nansum(s["neg_residual"])) if "neg_residual" in s and s["neg_residual"].size else 0
+    neg = fig.negative_residual_steps
     if neg:
         findings["other"].append(f"{neg} steps measured a negative residual (timing error), reported not clamped")
     # data: stalls on some ranks only / everywhere
-    stall_ranks = _data_stall_ranks(engine, run_id)
     if stall_ranks:
         names = ", ".join(f"rank {x['rank']}" + (f" ({x['host']})" if x["host"] else "") for x in stall_ranks[:5])
         more = f" and {len(stall_ranks) - 5} more" if len(stall_ranks) > 5 else ""
@@ -182,7 +132,7 @@ def run_bottlenecks(
             "(more loader workers, prefetch, pinned memory)"
         )
     # straggler wait: name the rank / node
-    st = stragglers if stragglers is not None else run_stragglers(engine, run_id)
+    st = stragglers
     if st and st["stragglers"] and shares["straggler_wait"] >= lim["straggler_share"]:
         if st["nodes"]:
             nd = st["nodes"][0]
@@ -199,7 +149,7 @@ def run_bottlenecks(
             )
     comps: list[dict[str, Any]] = []
     for k, p in shares.items():
-        ceiling = 1.0 / (1.0 - p) if p < 1 else None
+        ceiling = amdahl_ceiling(p)
         base = f"{_NAMES[k]}: {_pct(p)} of step time; removing it entirely would speed steps up at most " + (
             f"{ceiling:.2f}x" if ceiling is not None else "without bound"
         )

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Engine, text
+from fleetscope.wire import busbw_factor
 
-__all__ = ["collective_efficiency", "link_peaks"]
+from ..store.rows import CollectiveRow, RunRow
+
+__all__ = ["collective_rows", "collective_efficiency", "link_peaks"]
 
 _MIB = 1 << 20
 
@@ -31,10 +33,23 @@ def _get(d: dict[str, Any], *keys: str) -> float | None:
     return None
 
 
-def link_peaks(run: dict[str, Any], gpus_per_node: int | None = None) -> dict[str, Any]:
+def collective_rows(rows: list[CollectiveRow]) -> list[dict[str, Any]]:
+    """The run's collective rollup with algbw = bytes / time and busbw = algbw × the NCCL-tests factor
+    of the op and group size (docs/metrics.md), in the order given."""
+    out = []
+    for r in rows:
+        algbw = r.bytes / r.total_s if r.total_s > 0 else None
+        out.append({"op": r.op, "group_size": r.group_size, "size_bucket_bytes": 2**r.size_bucket, "records": r.records,
+                    "calls": r.calls, "bytes": r.bytes, "total_s": r.total_s, "exposed_s": r.exposed_s,
+                    "algbw_bytes_per_s": algbw,
+                    "busbw_bytes_per_s": algbw * busbw_factor(r.op, r.group_size) if algbw is not None else None})
+    return out
+
+
+def link_peaks(run: RunRow, gpus_per_node: int | None = None) -> dict[str, Any]:
     """Declared link peaks of a run: {"gpus_per_node", "intra", "inter", "span_nodes", "declared"}."""
     topo: dict[str, Any] = {}
-    for src in (run.get("config") or {}, run.get("meta") or {}):
+    for src in (run.config or {}, run.meta or {}):
         t = src.get("topology")
         if isinstance(t, dict):
             topo.update(t)
@@ -61,41 +76,29 @@ def _link_for(n: int, world: int, peaks: dict[str, Any]) -> tuple[str, float | N
     return ("nvlink", peaks["intra"]) if peaks["intra"] else ("unknown", None)
 
 
-def collective_efficiency(engine: Engine, run_id: int, *, run: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def collective_efficiency(run: RunRow, rows: list[CollectiveRow], gpus_per_node_seen: int | None) -> dict[str, Any]:
     """busbw and efficiency by op × group size × message-size bucket, plus a time-weighted summary
     over messages ≥ 1 MiB (small messages are latency-bound: their busbw is not a bandwidth figure).
-    ``run`` (the run's row, as ``queries.get_run`` returns it) may be passed to save a read."""
-    from ..queries import get_run, run_collectives
-
-    if run is None:
-        run = get_run(engine, run_id)
-    if run is None:
-        return None
-    with engine.connect() as c:
-        gpn_obs = c.execute(
-            text("SELECT max(k) FROM (SELECT count(*) AS k FROM ranks WHERE run_id = :id AND node IS NOT NULL "
-                 "GROUP BY node) t"),
-            {"id": run_id},
-        ).scalar()
-    peaks = link_peaks(run, int(gpn_obs) if gpn_obs else None)
-    world = int(run.get("world_size") or 1)
-    rows = []
+    ``gpus_per_node_seen``: the most ranks reported on one node (when the topology does not say)."""
+    peaks = link_peaks(run, gpus_per_node_seen)
+    world = int(run.world_size or 1)
+    out_rows = []
     w_eff = w_t = 0.0
-    for r in run_collectives(engine, run_id):
+    for r in collective_rows(rows):
         if r["op"] == "barrier" or r["bytes"] <= 0:
             continue
         link, peak = _link_for(int(r["group_size"]), world, peaks)
         busbw = r["busbw_bytes_per_s"]
         eff = busbw / peak if busbw is not None and peak else None
-        rows.append({**r, "link": link, "link_peak_bytes_per_s": peak, "efficiency": eff})
+        out_rows.append({**r, "link": link, "link_peak_bytes_per_s": peak, "efficiency": eff})
         if eff is not None and r["size_bucket_bytes"] >= _MIB:
             w_eff += eff * r["total_s"]
             w_t += r["total_s"]
-    rows.sort(key=lambda x: (x["op"], x["group_size"], x["size_bucket_bytes"]))
+    out_rows.sort(key=lambda x: (x["op"], x["group_size"], x["size_bucket_bytes"]))
     return {
-        "run_id": run_id,
+        "run_id": run.id,
         "topology": peaks,
-        "collectives": rows,
+        "collectives": out_rows,
         "efficiency_large_messages": (w_eff / w_t) if w_t > 0 else None,
         "note": None if peaks["declared"] else "link peak unknown: declare meta.topology to get efficiency",
     }

@@ -23,9 +23,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine, text
 
-__all__ = ["run_goodput", "CHECKPOINT_KINDS", "EVAL_KINDS", "RESTART_KINDS"]
+from ..store.rows import StepFrame
+
+__all__ = ["goodput", "CHECKPOINT_KINDS", "EVAL_KINDS", "RESTART_KINDS"]
 
 CHECKPOINT_KINDS = ("checkpoint", "checkpoint_save", "checkpoint_load")
 EVAL_KINDS = ("eval", "evaluation")
@@ -37,34 +38,18 @@ def _dur(data: dict[str, Any]) -> float:
     return float(v) if isinstance(v, (int, float)) and v > 0 else 0.0
 
 
-def run_goodput(engine: Engine, run_id: int) -> dict[str, Any] | None:
-    """Goodput and badput breakdown of a run (None if the run does not exist)."""
-    with engine.connect() as c:
-        run = c.execute(
-            text("SELECT extract(epoch FROM started_at), extract(epoch FROM finished_at), status FROM runs WHERE id = :id"),
-            {"id": run_id},
-        ).fetchone()
-        if run is None:
-            return None
-        st = c.execute(
-            text("SELECT ts, step_s, data_s FROM steps WHERE run_id = :id AND n_ranks > 0 ORDER BY step"), {"id": run_id}
-        ).fetchall()
-        # events are per rank; rank 0 (or the lowest reporting rank) speaks for the job
-        ev = c.execute(
-            text(
-                "SELECT kind, ts, step, data FROM run_events WHERE run_id = :id AND rank = "
-                "(SELECT min(rank) FROM run_events WHERE run_id = :id) ORDER BY ts NULLS LAST, seq"
-            ),
-            {"id": run_id},
-        ).fetchall()
-    started, finished = float(run[0]), (float(run[1]) if run[1] is not None else None)
+def goodput(run_id: int, started: float, finished: float | None, steps: StepFrame,
+            events: list[tuple[str, float | None, int | None, dict[str, Any] | None]]) -> dict[str, Any]:
+    """Goodput and badput breakdown of a run from its start/end (unix times), its steps (frame columns
+    ``ts``, ``step_s``, ``data_s``) and the job's events (kind, ts, step, data) in time order."""
+    ev = events
     out: dict[str, Any] = {"run_id": run_id, "goodput": None, "wall_s": None, "productive_s": None,
                            "badput": {}, "events": {}, "estimated": True}
-    if not st:
+    if not len(steps):
         return out
-    ts = np.array([np.nan if r[0] is None else r[0] for r in st], dtype=np.float64)
-    step_s = np.nan_to_num(np.array([np.nan if r[1] is None else r[1] for r in st], dtype=np.float64))
-    data_s = np.nan_to_num(np.array([np.nan if r[2] is None else r[2] for r in st], dtype=np.float64))
+    ts = steps["ts"]
+    step_s = np.nan_to_num(steps["step_s"])
+    data_s = np.nan_to_num(steps["data_s"])
     have_ts = np.isfinite(ts)
     first_ts = float(ts[have_ts].min()) if have_ts.any() else started
     last_end = float(np.nanmax(ts + step_s)) if have_ts.any() else started + float(step_s.sum())
@@ -74,7 +59,7 @@ def run_goodput(engine: Engine, run_id: int) -> dict[str, Any] | None:
     ckpt = sum(_dur(d or {}) for k, _, _, d in ev if k in CHECKPOINT_KINDS)
     evl = sum(_dur(d or {}) for k, _, _, d in ev if k in EVAL_KINDS)
     restart = 0.0
-    lost_steps = np.zeros(len(st), dtype=bool)
+    lost_steps = np.zeros(len(ts), dtype=bool)
     ckpt_ts = [t + _dur(d or {}) for k, t, _, d in ev if k in CHECKPOINT_KINDS and t is not None]
     for k, t, _, _ in ev:
         if k in RESTART_KINDS and t is not None:

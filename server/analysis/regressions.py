@@ -5,7 +5,7 @@
 - ``benchmark``: the points of one benchmark series ordered by time;
 - ``step_time_shift``: the median step time within one run, step by step.
 
-Each series goes through ``changepoint.detect`` (default configuration). The *current* regime is
+Each series goes through ``fleetscope.changepoint.detect`` (default configuration). The *current* regime is
 compared with the one before it: a regression is a last change point in the worse direction of at
 least ``MIN_CHANGE`` (5 %) — statistically significant (the detector's test) and practically large
 (this floor). Only the current state alerts: history that has recovered does not, and a later change
@@ -17,16 +17,22 @@ baseline runs (a robust z-score and the same 5 % floor) plus its own within-run 
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine, text
 
-from .changepoint import DEFAULT, DetectorConfig, detect
-from .runstats import METRICS, comparable_key, run_stats
+from fleetscope.changepoint import DEFAULT, DetectorConfig, detect
+
+from ..store.rows import RunRow
+from .figures import METRICS, RunFigures, comparable_key
+
+RunWithFigures = tuple[RunRow, RunFigures]
+BenchmarkSeries = tuple[int, str, str, dict[str, Any] | None, str, list[tuple[dt.datetime, float, str | None]]]
 
 __all__ = [
     "Regression",
@@ -36,7 +42,7 @@ __all__ = [
     "benchmark_regressions",
     "step_shift_regression",
     "straggler_finding",
-    "check_run",
+    "check_verdict",
     "higher_is_better_unit",
     "series_key",
 ]
@@ -97,77 +103,61 @@ def series_regression(values: list[float] | np.ndarray, *, higher_is_better: boo
     return last.index, last.before, last.after, change, last.p_value
 
 
-def _primary_metric(members: list[dict[str, Any]]) -> str:
-    if all(m.get("tokens_per_s_per_gpu") for m in members):
+def _primary_metric(members: list[RunWithFigures]) -> str:
+    if all(f.tokens_per_s_per_gpu for _, f in members):
         return "tokens_per_s_per_gpu"
     return "step_s"
 
 
-def run_series_regressions(engine: Engine, *, run_ids: list[int] | None = None) -> tuple[list[Regression], set[str]]:
-    """Regressions of run series containing ``run_ids`` (all series when None), and the series evaluated."""
-    with engine.connect() as c:
-        if run_ids is None:
-            fams = [r[0] for r in c.execute(text("SELECT DISTINCT model_family FROM runs WHERE model_family IS NOT NULL"))]
-        else:
-            fams = [r[0] for r in c.execute(
-                text("SELECT DISTINCT model_family FROM runs WHERE id = ANY(:ids) AND model_family IS NOT NULL"),
-                {"ids": list(run_ids)})]
+def run_series_regressions(runs: Sequence[RunWithFigures], *,
+                           run_ids: Collection[int] | None = None) -> tuple[list[Regression], set[str]]:
+    """Regressions of the run series (comparable runs in start order) formed by ``runs`` — one
+    family's runs with their figures — that contain one of ``run_ids`` (all when None), and the
+    series evaluated."""
     found: list[Regression] = []
     evaluated: set[str] = set()
-    for fam in fams:
-        stats = run_stats(engine, family=fam)
-        groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-        for st in stats.values():
-            if st["steps"] >= MIN_RUN_STEPS:
-                groups.setdefault(comparable_key(st["run"]), []).append(st)
-        for key, members in groups.items():
-            if run_ids is not None and not any(m["run"]["id"] in run_ids for m in members):
-                continue
-            members.sort(key=lambda m: (m["run"]["started_at"] or "", m["run"]["id"]))
-            metric = _primary_metric(members)
-            unit, hib = METRICS[metric]
-            skey = series_key("runs", *key)
-            evaluated.add(skey)
-            raw = [m.get(metric) for m in members]
-            if any(v is None for v in raw):
-                continue
-            vals = [float(v) for v in raw if v is not None]
-            res = series_regression(vals, higher_is_better=hib)
-            if res is None:
-                continue
-            i, before, after, change, p = res
-            bad = members[i]["run"]
-            last = members[-1]["run"]
-            found.append(Regression(
-                kind="run_series", series=skey, metric=metric, unit=unit, before=before, after=after, change=change,
-                significance=p,
-                first_bad={"run_id": bad["id"], "run": bad["name"], "commit": bad.get("git_commit"),
-                           "started_at": bad.get("started_at"), "index": i},
-                run_id=last["id"], url_path=f"/runs/{bad['id']}",
-                details={"family": key[0], "config_signature": key[1], "device_type": key[2], "world_size": key[3],
-                         "runs": [m["run"]["id"] for m in members], "values": vals,
-                         "good_commit": members[i - 1]["run"].get("git_commit") if i > 0 else None},
-            ))
+    groups: dict[tuple[Any, ...], list[RunWithFigures]] = {}
+    for run, fig in runs:
+        if fig.steps >= MIN_RUN_STEPS:
+            groups.setdefault(comparable_key(run), []).append((run, fig))
+    for key, members in groups.items():
+        if run_ids is not None and not any(r.id in run_ids for r, _ in members):
+            continue
+        members.sort(key=lambda m: (m[0].started_at or "", m[0].id))
+        metric = _primary_metric(members)
+        unit, hib = METRICS[metric]
+        skey = series_key("runs", *key)
+        evaluated.add(skey)
+        raw = [f.get(metric) for _, f in members]
+        if any(v is None for v in raw):
+            continue
+        vals = [float(v) for v in raw if v is not None]
+        res = series_regression(vals, higher_is_better=hib)
+        if res is None:
+            continue
+        i, before, after, change, p = res
+        bad = members[i][0]
+        last = members[-1][0]
+        found.append(Regression(
+            kind="run_series", series=skey, metric=metric, unit=unit, before=before, after=after, change=change,
+            significance=p,
+            first_bad={"run_id": bad.id, "run": bad.name, "commit": bad.git_commit,
+                       "started_at": bad.started_at, "index": i},
+            run_id=last.id, url_path=f"/runs/{bad.id}",
+            details={"family": key[0], "config_signature": key[1], "device_type": key[2], "world_size": key[3],
+                     "runs": [r.id for r, _ in members], "values": vals,
+                     "good_commit": members[i - 1][0].git_commit if i > 0 else None},
+        ))
     return found, evaluated
 
 
-def benchmark_regressions(engine: Engine, *, series_ids: list[int] | None = None) -> tuple[list[Regression], set[str]]:
-    """Regressions of benchmark series (all when ``series_ids`` is None)."""
-    with engine.connect() as c:
-        q = "SELECT id, name, cluster, params, unit FROM benchmark_series"
-        rows = c.execute(text(q + (" WHERE id = ANY(:ids)" if series_ids is not None else "")),
-                         {"ids": list(series_ids or [])}).fetchall()
-        pts = {}
-        for sid, *_ in rows:
-            pts[sid] = c.execute(
-                text("SELECT ts, value, git_commit FROM benchmark_points WHERE series_id = :id ORDER BY ts"), {"id": sid}
-            ).fetchall()
+def benchmark_regressions(series: Sequence[BenchmarkSeries]) -> tuple[list[Regression], set[str]]:
+    """Regressions of benchmark series: (id, name, cluster, params, unit, points (ts, value, commit))."""
     found: list[Regression] = []
     evaluated: set[str] = set()
-    for sid, name, cluster, params, unit in rows:
+    for sid, name, cluster, params, unit, p in series:
         skey = series_key("bench", sid)
         evaluated.add(skey)
-        p = pts[sid]
         hib = (params or {}).get("higher_is_better")
         hib = higher_is_better_unit(unit) if hib is None else bool(hib)
         res = series_regression([float(v) for _, v, _ in p], higher_is_better=hib)
@@ -185,19 +175,13 @@ def benchmark_regressions(engine: Engine, *, series_ids: list[int] | None = None
     return found, evaluated
 
 
-def step_shift_regression(engine: Engine, run_id: int) -> Regression | None:
-    """A change point in a run's median step time that made steps slower (e.g. a restart onto a slower node)."""
-    with engine.connect() as c:
-        rows = c.execute(
-            text("SELECT step, step_s FROM steps WHERE run_id = :id AND n_ranks > 0 AND step_s IS NOT NULL "
-                 "ORDER BY step DESC LIMIT :k"),
-            {"id": run_id, "k": STEP_SERIES_MAX},
-        ).fetchall()
-    rows = rows[::-1]
-    if len(rows) < 2 * DEFAULT.min_size:
+def step_shift_regression(run_id: int, steps: np.ndarray, step_s: np.ndarray) -> Regression | None:
+    """A change point in a run's median step time that made steps slower (e.g. a restart onto a slower
+    node), over its most recent ``STEP_SERIES_MAX`` steps (``steps``/``step_s`` in step order)."""
+    if len(steps) < 2 * DEFAULT.min_size:
         return None
-    k = max(1, -(-len(rows) // STEP_SERIES_POINTS))
-    vals = np.array([float(r[1]) for r in rows])
+    k = max(1, -(-len(steps) // STEP_SERIES_POINTS))
+    vals = np.asarray(step_s, dtype=np.float64)
     m = len(vals) // k
     series = np.median(vals[: m * k].reshape(m, k), axis=1) if k > 1 else vals
     res = series_regression(series, higher_is_better=False)
@@ -205,22 +189,20 @@ def step_shift_regression(engine: Engine, run_id: int) -> Regression | None:
         return None
     i, before, after, change, p = res
     i *= k
-    step = int(rows[i][0])
+    step = int(steps[i])
     return Regression(
         kind="step_time_shift", series=series_key("steps", run_id), metric="step_s", unit="s", before=before,
         after=after, change=change, significance=p, first_bad={"run_id": run_id, "step": step, "index": i},
-        run_id=run_id, url_path=f"/runs/{run_id}?step={step}", details={"steps": len(rows), "block_steps": k},
+        run_id=run_id, url_path=f"/runs/{run_id}?step={step}", details={"steps": len(steps), "block_steps": k},
     )
 
 
 STRAGGLER_MIN_STEPS = 10  # a straggler alert needs this many compacted steps (no flapping at start)
 
 
-def straggler_finding(engine: Engine, run_id: int) -> Regression | None:
-    """A run with persistent stragglers (docs/metrics.md): one alert per run naming the worst rank or node."""
-    from .stragglers import run_stragglers
-
-    rep = run_stragglers(engine, run_id)
+def straggler_finding(run_id: int, rep: dict[str, Any] | None) -> Regression | None:
+    """A run with persistent stragglers (docs/metrics.md): one alert per run naming the worst rank or node,
+    from its straggler report (``stragglers.straggler_report``)."""
     if not rep or rep["steps"] < STRAGGLER_MIN_STEPS:
         return None
     persistent = [s for s in rep["stragglers"] if s["kind"] == "persistent" and s["slowdown"]]
@@ -241,32 +223,29 @@ def straggler_finding(engine: Engine, run_id: int) -> Regression | None:
     )
 
 
-def _baseline(stats: dict[int, dict[str, Any]], run: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
-    others = [s for rid, s in stats.items() if rid != run["id"] and s["steps"] >= MIN_RUN_STEPS
-              and (s["run"]["started_at"] or "") <= (run["started_at"] or "")]
-    strict = [s for s in others if comparable_key(s["run"]) == comparable_key(run)]
+def _baseline(runs: Sequence[RunWithFigures], run: RunRow) -> tuple[list[RunWithFigures], str]:
+    others = [(r, f) for r, f in runs if r.id != run.id and f.steps >= MIN_RUN_STEPS
+              and (r.started_at or "") <= (run.started_at or "")]
+    strict = [(r, f) for r, f in others if comparable_key(r) == comparable_key(run)]
     if strict:
         return strict, "family + config signature + device + world size"
-    loose = [s for s in others if (s["run"]["device_type"], s["run"]["world_size"]) == (run["device_type"], run["world_size"])]
+    loose = [(r, f) for r, f in others if (r.device_type, r.world_size) == (run.device_type, run.world_size)]
     return loose, "family + device + world size (no run with the same config signature)"
 
 
-def check_run(engine: Engine, run_id: int, *, max_baseline: int = 20) -> dict[str, Any] | None:
-    """Is this run a regression against its family's baseline? (``fleetscope check``)"""
-    with engine.connect() as c:
-        fam = c.execute(text("SELECT model_family FROM runs WHERE id = :id"), {"id": run_id}).fetchone()
-    if fam is None:
-        return None
-    stats = run_stats(engine, family=fam[0]) if fam[0] is not None else run_stats(engine, [run_id])
-    me = stats.get(run_id) or run_stats(engine, [run_id])[run_id]
-    run = me["run"]
-    base, how = _baseline(stats, run)
-    base.sort(key=lambda s: (s["run"]["started_at"] or "", s["run"]["id"]))
+def check_verdict(me: RunWithFigures, family: Sequence[RunWithFigures], shift: Regression | None, *,
+                  max_baseline: int = 20) -> dict[str, Any]:
+    """Is this run a regression against its family's baseline? (``fleetscope check``): its figures
+    against the median of the ``max_baseline`` latest earlier baseline runs of ``family``, plus its own
+    within-run step-time shift."""
+    run, fig = me
+    base, how = _baseline(family, run)
+    base.sort(key=lambda m: (m[0].started_at or "", m[0].id))
     base = base[-max_baseline:]
     regs: list[dict[str, Any]] = []
     for metric, (unit, hib) in METRICS.items():
-        x = me.get(metric)
-        vals = np.array([s[metric] for s in base if s.get(metric) is not None], dtype=np.float64)
+        x = fig.get(metric)
+        vals = np.array([f.get(metric) for _, f in base if f.get(metric) is not None], dtype=np.float64)
         if x is None or not vals.size:
             continue
         med = float(np.median(vals))
@@ -279,13 +258,13 @@ def check_run(engine: Engine, run_id: int, *, max_baseline: int = 20) -> dict[st
         if worse >= MIN_CHANGE and (z is None or z >= CHECK_Z):
             regs.append({"metric": metric, "unit": unit, "before": med, "after": x, "change": change, "z": z,
                          "baseline_runs": int(vals.size)})
-    shift = step_shift_regression(engine, run_id)
     if shift is not None:
         regs.append({"metric": "step_s (within run)", "unit": "s", "before": shift.before, "after": shift.after,
                      "change": shift.change, "p_value": shift.significance, "first_bad_step": shift.first_bad["step"]})
     return {
-        "run": {k: run[k] for k in ("id", "name", "model_family", "world_size", "device_type", "git_commit")},
-        "baseline": {"runs": [s["run"]["id"] for s in base], "match": how},
+        "run": {"id": run.id, "name": run.name, "model_family": run.model_family, "world_size": run.world_size,
+                "device_type": run.device_type, "git_commit": run.git_commit},
+        "baseline": {"runs": [r.id for r, _ in base], "match": how},
         "regressions": regs,
         "regressed": bool(regs),
         "min_change": MIN_CHANGE,

@@ -1,7 +1,8 @@
 """Straggler rollups maintained at compaction: one row per (run, rank) and per (run, rank, window).
 
 Registered as a ``Compactor.folds`` hook, so it runs in the compaction transaction over the
-deduplicated rows of the steps that pass touched. A step compacted again (a late rank, a retry)
+deduplicated rows of the steps that pass touched; it reads and writes through a :class:`RollupSink`
+(``store.compaction.RollupWriter``), so everything here is numpy. A step compacted again (a late rank, a retry)
 is handled exactly: the contribution of its previously folded rows (``is_old``) is subtracted and
 the contribution of all its rows added, so the rollups always equal a fold over the final blocks.
 
@@ -14,13 +15,16 @@ The median is kept exact enough by a histogram of log-ratios (1 % bins); the thr
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import numpy as np
 
-from ..compactor import _grouped_medians
+from ..grouped import grouped_medians
 
 __all__ = [
+    "RollupSink",
     "fold_rank_rollups",
     "THRESHOLD",
     "WINDOW_STEPS",
@@ -30,6 +34,8 @@ __all__ = [
     "hist_median",
     "hist_medians",
     "work_ratio_stats",
+    "ROLLUP_SUMS",
+    "WINDOW_SUMS",
 ]
 
 THRESHOLD = 1.05  # docs/metrics.md: default straggler threshold on the work ratio
@@ -40,10 +46,22 @@ HIST_NB = 120  # up to ln ratio 1.0 (ratio 2.72); outside values land in the end
 
 log = logging.getLogger(__name__)
 
-_ROLLUP_SUMS = ("steps", "above", "work_s", "step_s", "data_s", "excess_s", "data_excess_s", "compute_excess_s",
+ROLLUP_SUMS = ("steps", "above", "work_s", "step_s", "data_s", "excess_s", "data_excess_s", "compute_excess_s",
                 "other_excess_s", "lost_s", "slowest_steps", "late_s", "late_n", "last_arrivals")
-_INT_COLS = {"steps", "above", "slowest_steps", "late_n", "last_arrivals"}
-_WINDOW_SUMS = ("steps", "above", "ratio_sum", "excess_s")
+WINDOW_SUMS = ("steps", "above", "ratio_sum", "excess_s")
+
+
+class RollupSink(Protocol):
+    """Where the fold reads stored histograms and adds its sums (the compaction transaction)."""
+
+    def savepoint(self) -> AbstractContextManager[None]: ...
+
+    def rank_hists(self, run_id: int, ranks: Sequence[int]) -> list[tuple[int, bytes]]: ...
+
+    def add_rank_rollups(self, keys: np.ndarray, hist: np.ndarray, slowdown: np.ndarray,
+                         sums: dict[str, np.ndarray]) -> None: ...
+
+    def add_rank_windows(self, keys: np.ndarray, sums: dict[str, np.ndarray]) -> None: ...
 
 
 def hist_median(hist: np.ndarray) -> float | None:
@@ -79,7 +97,7 @@ def work_ratio_stats(S: dict[str, np.ndarray], gid: np.ndarray, n_groups: int) -
     ug, g = np.unique(gid, return_inverse=True)
     g = g.reshape(-1)
     counts = np.bincount(g, minlength=len(ug))
-    med, md, mc, mo = _grouped_medians([work, S["data_s"], S["compute_s"], S["other_s"]], g, counts)
+    med, md, mc, mo = grouped_medians([work, S["data_s"], S["compute_s"], S["other_s"]], g, counts)
     out: dict[str, np.ndarray] = {"work": work, "med": med}
     with np.errstate(invalid="ignore", divide="ignore"):
         out["ratio"] = work / med[g]
@@ -222,7 +240,7 @@ def _combine(parts: list[tuple[int, dict]], cols: tuple[str, ...], hist: bool) -
     return out
 
 
-def fold_rank_rollups(cur: Any, *, S: dict[str, np.ndarray], C: dict[str, np.ndarray], gid: np.ndarray,
+def fold_rank_rollups(sink: RollupSink, *, S: dict[str, np.ndarray], C: dict[str, np.ndarray], gid: np.ndarray,
                       cgid: np.ndarray, gkeys: np.ndarray) -> None:
     """Compactor fold: update rank_rollups / rank_windows for the steps of this pass (exact re-folds).
 
@@ -230,8 +248,8 @@ def fold_rank_rollups(cur: Any, *, S: dict[str, np.ndarray], C: dict[str, np.nda
     counted) and compaction — hence ingest — goes on."""
     global fold_errors
     try:
-        with cur.connection.transaction():
-            _fold(cur, S=S, C=C, gid=gid, cgid=cgid, gkeys=gkeys)
+        with sink.savepoint():
+            _fold(sink, S=S, C=C, gid=gid, cgid=cgid, gkeys=gkeys)
     except Exception:  # noqa: BLE001 - the analysis must never stop compaction
         fold_errors += 1
         log.exception("straggler rollup fold failed for this compaction pass (rollups skipped)")
@@ -240,7 +258,7 @@ def fold_rank_rollups(cur: Any, *, S: dict[str, np.ndarray], C: dict[str, np.nda
 fold_errors = 0
 
 
-def _fold(cur: Any, *, S: dict[str, np.ndarray], C: dict[str, np.ndarray], gid: np.ndarray,
+def _fold(sink: RollupSink, *, S: dict[str, np.ndarray], C: dict[str, np.ndarray], gid: np.ndarray,
           cgid: np.ndarray, gkeys: np.ndarray) -> None:
     n_groups = len(gkeys)
     if n_groups == 0:
@@ -269,76 +287,25 @@ def _fold(cur: Any, *, S: dict[str, np.ndarray], C: dict[str, np.ndarray], gid: 
             cold = ctouched & C["is_old"]
             if cold.any():
                 parts_r.append((-1, _lateness(C, cgid, cold)))
-    roll = _combine(parts_r, _ROLLUP_SUMS, hist=True)
-    win = _combine(parts_w, _WINDOW_SUMS, hist=False)
+    roll = _combine(parts_r, ROLLUP_SUMS, hist=True)
+    win = _combine(parts_w, WINDOW_SUMS, hist=False)
     if roll:
-        _write_rollups(cur, roll)
+        _add_rollups(sink, roll)
     if win:
-        _write_windows(cur, win)
+        sink.add_rank_windows(win["keys"], {c: win[c] for c in WINDOW_SUMS})
 
 
-_PG_EPOCH_HEADER = b"PGCOPY\n\xff\r\n\x00" + b"\x00\x00\x00\x00" + b"\x00\x00\x00\x00"
-
-
-def _copy_payload(cols: list[tuple[str, str, np.ndarray]]) -> bytes:
-    """A binary COPY payload of fixed-width columns: (name, 'i4' | 'i8' | 'f8' | 'V<k>' bytea, values)."""
-    n = len(cols[0][2])
-    fields: list[tuple[str, str]] = [("_n", ">i2")]
-    for name, kind, _ in cols:
-        fields += [(f"_l_{name}", ">i4"), (name, kind if kind.startswith("V") else ">" + kind)]
-    arr = np.empty(n, dtype=np.dtype(fields))
-    arr["_n"] = len(cols)
-    for name, kind, values in cols:
-        arr[f"_l_{name}"] = int(kind[1:]) if kind.startswith("V") else np.dtype(">" + kind).itemsize
-        arr[name] = values
-    return _PG_EPOCH_HEADER + arr.tobytes() + b"\xff\xff"
-
-
-def _sum_cols(agg: dict[str, Any], names: tuple[str, ...]) -> list[tuple[str, str, np.ndarray]]:
-    return [(c, "i4", np.rint(agg[c]).astype(np.int64)) if c in _INT_COLS else (c, "f8", agg[c]) for c in names]
-
-
-def _write_rollups(cur: Any, roll: dict[str, Any]) -> None:
+def _add_rollups(sink: RollupSink, roll: dict[str, Any]) -> None:
+    """Merge the pass's histograms with the stored ones (the median is taken from the merged one);
+    the scalar sums are added by the sink's upsert."""
     keys = roll["keys"]
     hist = roll["hist"]
-    # histograms are merged here (bytea); the scalar sums are added by the upsert
     row_of = {(int(a), int(b)): i for i, (a, b) in enumerate(keys)}
     for run_id in np.unique(keys[:, 0]):
         ranks = keys[keys[:, 0] == run_id, 1]
-        for rank, blob in cur.execute(
-            "SELECT rank, hist FROM rank_rollups WHERE run_id = %s AND rank = ANY(%s) AND hist IS NOT NULL",
-            (int(run_id), ranks.tolist()),
-        ).fetchall():
-            prev = np.frombuffer(bytes(blob), dtype="<i4")
+        for rank, blob in sink.rank_hists(int(run_id), ranks.tolist()):
+            prev = np.frombuffer(blob, dtype="<i4")
             if len(prev) == HIST_NB:
                 hist[row_of[(int(run_id), int(rank))]] += prev
     h = np.maximum(hist, 0).astype("<i4")
-    hv = h.view(np.dtype((np.void, HIST_NB * 4))).reshape(-1)
-    cols = [("run_id", "i4", keys[:, 0]), ("rank", "i4", keys[:, 1]), ("hist", f"V{HIST_NB * 4}", hv),
-            ("slowdown", "f8", hist_medians(h)), *_sum_cols(roll, _ROLLUP_SUMS)]
-    names = ", ".join(c for c, _, _ in cols)
-    cur.execute(f"CREATE TEMP TABLE _rr ON COMMIT DROP AS SELECT {names} FROM rank_rollups LIMIT 0")
-    with cur.copy(f"COPY _rr ({names}) FROM STDIN (FORMAT BINARY)") as cp:
-        cp.write(_copy_payload(cols))
-    upd = ", ".join(f"{c} = rank_rollups.{c} + excluded.{c}" for c in _ROLLUP_SUMS)
-    cur.execute(
-        f"INSERT INTO rank_rollups ({names}) SELECT {names} FROM _rr "
-        f"ON CONFLICT (run_id, rank) DO UPDATE SET hist = excluded.hist, slowdown = excluded.slowdown, {upd}"
-    )
-    cur.execute("DROP TABLE _rr")
-
-
-def _write_windows(cur: Any, win: dict[str, Any]) -> None:
-    keys = win["keys"]
-    cols = [("run_id", "i4", keys[:, 0]), ("win", "i4", keys[:, 1]), ("rank", "i4", keys[:, 2]),
-            *_sum_cols(win, _WINDOW_SUMS)]
-    names = ", ".join(c for c, _, _ in cols)
-    cur.execute(f"CREATE TEMP TABLE _rw ON COMMIT DROP AS SELECT {names} FROM rank_windows LIMIT 0")
-    with cur.copy(f"COPY _rw ({names}) FROM STDIN (FORMAT BINARY)") as cp:
-        cp.write(_copy_payload(cols))
-    upd = ", ".join(f"{c} = rank_windows.{c} + excluded.{c}" for c in _WINDOW_SUMS)
-    cur.execute(
-        f"INSERT INTO rank_windows ({names}) SELECT {names} FROM _rw "
-        f"ON CONFLICT (run_id, win, rank) DO UPDATE SET {upd}"
-    )
-    cur.execute("DROP TABLE _rw")
+    sink.add_rank_rollups(keys, h, hist_medians(h), {c: roll[c] for c in ROLLUP_SUMS})

@@ -1,7 +1,7 @@
 """Scaling per model family and configuration, and cross-run comparison in normalised units.
 
 Scaling (docs/metrics.md): the runs of one family whose configs match once the size-dependent keys are
-left out (``runstats.scaling_signature``) and that share a device type form one curve. Weak scaling
+left out (``figures.scaling_signature``) and that share a device type form one curve. Weak scaling
 (per-device batch fixed): efficiency(n) = (throughput(n)/n) / (throughput(n0)/n0); strong scaling
 (global batch fixed): efficiency(n) = step_s(n0)·n0 / (step_s(n)·n). The mode is read from the data:
 tokens per rank-step constant across sizes → weak; tokens per step constant → strong. Several runs
@@ -11,14 +11,17 @@ n0 to the largest n explains the loss.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine
 
-from .runstats import run_stats, scaling_signature
+from ..store.rows import RunRow
+from .figures import RunFigures, scaling_signature
 
 __all__ = ["scaling", "compare_runs", "COMPARE_METRICS"]
+
+RunWithFigures = tuple[RunRow, RunFigures]
 
 _COMPONENTS = ("data", "compute", "comm_exposed", "other", "straggler_wait")
 COMPARE_METRICS = ("tokens_per_s_per_gpu", "mfu", "step_s_per_1k_tokens", "step_s", "tokens_per_s", "overlap_ratio")
@@ -45,42 +48,41 @@ def _mode(points: list[dict[str, Any]]) -> str:
     return "unknown"
 
 
-def scaling(engine: Engine, *, family: str, device_type: str | None = None, signature: str | None = None,
-            status: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """Scaling curves of a family: one group per (scaling signature, device type), points by world size."""
-    stats = run_stats(engine, family=family)
-    groups: dict[tuple[str, str | None], list[dict[str, Any]]] = {}
-    for st in stats.values():
-        run = st["run"]
-        if not st["steps"] or st.get("step_s") is None:
+def scaling(family: str, runs: Sequence[RunWithFigures], *, device_type: str | None = None,
+            signature: str | None = None, status: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Scaling curves of a family from its runs' figures: one group per (scaling signature, device
+    type), points by world size."""
+    groups: dict[tuple[str, str | None], list[RunWithFigures]] = {}
+    for run, fig in runs:
+        if not fig.steps or fig.step_s is None:
             continue
-        if status and run["status"] not in status:
+        if status and run.status not in status:
             continue
-        if device_type and run.get("device_type") != device_type:
+        if device_type and run.device_type != device_type:
             continue
-        sig = scaling_signature(run.get("config"))
+        sig = scaling_signature(run.config)
         if signature and sig != signature:
             continue
-        groups.setdefault((sig, run.get("device_type")), []).append(st)
+        groups.setdefault((sig, run.device_type), []).append((run, fig))
     out_groups = []
     for (sig, dev), members in groups.items():
-        by_n: dict[int, list[dict[str, Any]]] = {}
-        for st in members:
-            by_n.setdefault(int(st["run"]["world_size"] or 1), []).append(st)
+        by_n: dict[int, list[RunWithFigures]] = {}
+        for run, fig in members:
+            by_n.setdefault(int(run.world_size or 1), []).append((run, fig))
         points: list[dict[str, Any]] = []
         for n in sorted(by_n):
             ms = by_n[n]
-            shares = {k: _med([(m["shares"] or {}).get(k) for m in ms]) for k in _COMPONENTS}
+            shares = {k: _med([(f.shares or {}).get(k) for _, f in ms]) for k in _COMPONENTS}
             points.append({
                 "world_size": n,
-                "runs": [m["run"]["id"] for m in ms],
-                "run_names": [m["run"]["name"] for m in ms],
-                "throughput_tokens_per_s": _med([m["tokens_per_s"] for m in ms]),
-                "tokens_per_s_per_gpu": _med([m["tokens_per_s_per_gpu"] for m in ms]),
-                "step_s": _med([m["step_s"] for m in ms]),
-                "mfu": _med([m["mfu"] for m in ms]),
-                "tokens_per_rank_step": _med([m["tokens_per_rank_step"] for m in ms]),
-                "tokens_per_step": _med([m["tokens_per_step"] for m in ms]),
+                "runs": [r.id for r, _ in ms],
+                "run_names": [r.name for r, _ in ms],
+                "throughput_tokens_per_s": _med([f.tokens_per_s for _, f in ms]),
+                "tokens_per_s_per_gpu": _med([f.tokens_per_s_per_gpu for _, f in ms]),
+                "step_s": _med([f.step_s for _, f in ms]),
+                "mfu": _med([f.mfu for _, f in ms]),
+                "tokens_per_rank_step": _med([f.tokens_per_rank_step for _, f in ms]),
+                "tokens_per_step": _med([f.tokens_per_step for _, f in ms]),
                 "shares": shares,
             })
         mode = _mode(points)
@@ -109,11 +111,11 @@ def scaling(engine: Engine, *, family: str, device_type: str | None = None, sign
                               "n0": n0, "n_max": points[-1]["world_size"],
                               "explanation": f"{k} grows from {100 * first[k]:.0f}% of the step at {n0} GPUs to "
                                              f"{100 * last[k]:.0f}% at {points[-1]['world_size']}"}
-        rep = members[0]["run"]
+        rep = members[0][0]
         out_groups.append({
             "signature": sig,
             "device_type": dev,
-            "config": {k: v for k, v in (rep.get("config") or {}).items()},
+            "config": dict(rep.config or {}),
             "mode": mode,
             "n0": n0,
             "points": points,
@@ -123,24 +125,24 @@ def scaling(engine: Engine, *, family: str, device_type: str | None = None, sign
     return {"family": family, "groups": out_groups}
 
 
-def compare_runs(engine: Engine, *, run_ids: list[int]) -> dict[str, Any]:
+def compare_runs(run_ids: Sequence[int], found: dict[int, RunWithFigures]) -> dict[str, Any]:
     """Runs side by side in normalised units (tokens/s/GPU, MFU, GPU-seconds per 1k tokens), with the
-    first run as the reference for relative figures, shares of step time, and the config keys that differ."""
-    stats = run_stats(engine, run_ids)
+    first run as the reference for relative figures, shares of step time, and the config keys that
+    differ. ``found``: the runs of ``run_ids`` that exist, with their figures."""
     rows = []
     for rid in run_ids:
-        st = stats.get(int(rid))
-        if st is None:
+        item = found.get(int(rid))
+        if item is None:
             continue
-        run = st["run"]
+        run, fig = item
         rows.append({
-            "id": run["id"], "name": run["name"], "model_family": run["model_family"], "world_size": run["world_size"],
-            "device_type": run["device_type"], "git_commit": run["git_commit"], "status": run["status"],
-            "started_at": run["started_at"],
-            **{m: st.get(m) for m in COMPARE_METRICS},
-            "shares": st.get("shares"),
-            "decomposition": {k: st.get(k) for k in ("step_s", "data_s", "compute_s", "comm_exposed_s", "other_s")},
-            "config": run.get("config") or {},
+            "id": run.id, "name": run.name, "model_family": run.model_family, "world_size": run.world_size,
+            "device_type": run.device_type, "git_commit": run.git_commit, "status": run.status,
+            "started_at": run.started_at,
+            **{m: fig.get(m) for m in COMPARE_METRICS},
+            "shares": fig.shares,
+            "decomposition": fig.decomposition,
+            "config": run.config or {},
         })
     relative: dict[str, list[float | None]] = {}
     if rows:
@@ -154,5 +156,5 @@ def compare_runs(engine: Engine, *, run_ids: list[int]) -> dict[str, Any]:
         vals = [r[field] for r in rows]
         if len({repr(v) for v in vals}) > 1:
             diff[field] = vals
-    missing = [int(r) for r in run_ids if int(r) not in stats]
+    missing = [int(r) for r in run_ids if int(r) not in found]
     return {"runs": rows, "relative_to_first": relative, "config_diff": diff, "missing": missing}

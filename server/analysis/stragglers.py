@@ -8,114 +8,46 @@ stragglers is named as the cause. Each straggler carries the component that made
 excess over the step median in data, compute, other), its lateness at collectives where start
 timestamps exist, and the fleet time lost waiting for it.
 
-Source: the per-(run, rank) rollups kept at compaction (``rollups.py``); runs compacted without
-them (older data, a compactor without the fold) are analysed from the step blocks of the most
-recent ``FALLBACK_STEPS`` steps, and the result says so.
+Source: the per-(run, rank) rollups kept at compaction (``rollups.py``, :func:`from_rollups`); runs
+compacted without them (older data, a compactor without the fold) are analysed from the step blocks
+of the most recent ``FALLBACK_STEPS`` steps (:func:`from_blocks`), and the result says so.
 """
 
 from __future__ import annotations
 
-import copy
-import threading
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine, text
 
-from ..codec import STEP_BLOCK_FIELDS, decode_block
+from ..store.rows import RankRollups, StepFrame
+from .figures import RunFigures
 from .rollups import HIST_BW, HIST_LO, HIST_NB, THRESHOLD, WINDOW_STEPS
 
-__all__ = ["run_stragglers", "FALLBACK_STEPS"]
+__all__ = ["straggler_report", "from_rollups", "from_blocks", "per_step_view", "summary_stragglers",
+           "FALLBACK_STEPS", "MIN_WINDOW_STEPS"]
 
 FALLBACK_STEPS = 512
-_CACHE_RUNS = 64
-_cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], dict[str, Any]]] = {}
-_cache_lock = threading.Lock()
+MIN_WINDOW_STEPS = min(10, WINDOW_STEPS)  # a window counts once it holds this many of the rank's steps
 _COMPONENTS = ("data", "compute", "other")
 
 
-def _ranks_hosts(c: Any, run_id: int) -> dict[int, tuple[str | None, str | None]]:
-    rows = c.execute(text("SELECT rank, host, node FROM ranks WHERE run_id = :id"), {"id": run_id}).fetchall()
-    return {int(r): (h, n or h) for r, h, n in rows}
+def from_rollups(roll: RankRollups) -> dict[str, Any]:
+    """The per-rank figures as kept at compaction."""
+    return {"arr": roll.arr, "flagged_windows": roll.flagged_windows, "n_windows": roll.n_windows, "source": "rollups"}
 
 
-def _step_stats(c: Any, run_id: int) -> dict[str, Any]:
-    row = c.execute(
-        text(
-            "SELECT count(*), sum(work_s_max - work_s), sum(step_s), "
-            "percentile_cont(0.5) WITHIN GROUP (ORDER BY work_s_max / nullif(work_s, 0)), "
-            "percentile_cont(0.95) WITHIN GROUP (ORDER BY work_s_max / nullif(work_s, 0)), "
-            "max(work_s_max / nullif(work_s, 0)) FROM steps WHERE run_id = :id AND n_ranks > 0"
-        ),
-        {"id": run_id},
-    ).one()
-    n, lost, step_sum, p50, p95, mx = row
-    return {
-        "steps": int(n or 0),
-        "fleet_lost_s": float(lost) if lost is not None else None,
-        "fleet_lost_share": float(lost / step_sum) if lost is not None and step_sum else None,
-        "skew_p50": _f(p50),
-        "skew_p95": _f(p95),
-        "skew_max": _f(mx),
-    }
-
-
-def _f(v: Any) -> float | None:
-    return None if v is None else float(v)
-
-
-def _from_rollups(c: Any, run_id: int) -> dict[str, Any] | None:
-    cols = ("rank", "steps", "above", "slowdown", "excess_s", "data_excess_s", "compute_excess_s", "other_excess_s",
-            "lost_s", "slowest_steps", "late_s", "late_n", "last_arrivals", "step_s", "data_s")
-    rows = c.execute(
-        text(f"SELECT {', '.join(cols)} FROM rank_rollups WHERE run_id = :id AND steps > 0 ORDER BY rank"),
-        {"id": run_id},
-    ).fetchall()
-    if not rows:
+def from_blocks(blocks: list[tuple[int, dict[str, np.ndarray]]], world_size: int) -> dict[str, Any] | None:
+    """The same per-rank figures computed from decoded step blocks ((step, columns), in step order)."""
+    if not blocks:
         return None
-    # one row per rank, scalars only: the median ratio was taken from the histogram at fold time
-    mat = np.array([[np.nan if v is None else v for v in r] for r in rows], dtype=np.float64)
-    arr = {k: mat[:, i] for i, k in enumerate(cols)}
-    min_steps = min(10, WINDOW_STEPS)
-    wins = c.execute(
-        text(
-            "SELECT rank, win, steps, above, ratio_sum FROM rank_windows WHERE run_id = :id AND steps >= :m "
-            "AND above * 2 > steps ORDER BY rank, win"
-        ),
-        {"id": run_id, "m": min_steps},
-    ).fetchall()
-    n_wins = dict(
-        c.execute(
-            text("SELECT rank, count(*) FROM rank_windows WHERE run_id = :id AND steps >= :m GROUP BY rank"),
-            {"id": run_id, "m": min_steps},
-        ).fetchall()
-    )
-    flagged_w: dict[int, list[tuple[int, float]]] = {}
-    for rank, w, steps, _above, ratio_sum in wins:
-        flagged_w.setdefault(int(rank), []).append((int(w), float(ratio_sum) / max(int(steps), 1)))
-    return {"arr": arr, "flagged_windows": flagged_w, "n_windows": {int(k): int(v) for k, v in n_wins.items()},
-            "source": "rollups"}
-
-
-def _from_blocks(c: Any, run_id: int, world_size: int) -> dict[str, Any] | None:
-    """The same per-rank figures computed from the step blocks of the most recent steps."""
-    rows = c.execute(
-        text("SELECT step, block FROM steps WHERE run_id = :id AND n_ranks > 0 ORDER BY step DESC LIMIT :k"),
-        {"id": run_id, "k": FALLBACK_STEPS},
-    ).fetchall()
-    if not rows:
-        return None
-    rows = rows[::-1]
     ws = max(world_size, 1)
-    for _, b in rows:
-        d = decode_block(STEP_BLOCK_FIELDS, b)
+    for _, d in blocks:
         if len(d["rank"]):
             ws = max(ws, int(d["rank"].max()) + 1)
-    k = len(rows)
+    k = len(blocks)
     mats = {f: np.full((k, ws), np.nan) for f in ("work", "data", "compute", "other", "step")}
-    steps = np.array([r[0] for r in rows])
-    for i, (_, b) in enumerate(rows):
-        d = decode_block(STEP_BLOCK_FIELDS, b)
+    steps = np.array([st for st, _ in blocks])
+    for i, (_, d) in enumerate(blocks):
         rk = d["rank"]
         mats["work"][i, rk] = d["step_s"] - np.nan_to_num(d["comm_exposed_s"])
         mats["data"][i, rk] = d["data_s"]
@@ -151,14 +83,14 @@ def _from_blocks(c: Any, run_id: int, world_size: int) -> dict[str, Any] | None:
     win = steps // WINDOW_STEPS
     for w in np.unique(win):
         sel = win == w
-        if sel.sum() < min(10, WINDOW_STEPS):
+        if sel.sum() < MIN_WINDOW_STEPS:
             continue
         r = ratio[sel][:, keep]
         cnt = np.isfinite(r).sum(axis=0)
         above = (r > THRESHOLD).sum(axis=0)
         mean_r = np.nanmean(np.minimum(r, 3.0), axis=0)
         for j, rank in enumerate(arr["rank"].astype(int)):
-            if cnt[j] >= min(10, WINDOW_STEPS):
+            if cnt[j] >= MIN_WINDOW_STEPS:
                 n_windows[int(rank)] = n_windows.get(int(rank), 0) + 1
                 if above[j] * 2 > cnt[j]:
                     flagged_w.setdefault(int(rank), []).append((int(w), float(mean_r[j])))
@@ -174,57 +106,47 @@ def _component(arr: dict[str, np.ndarray], j: int) -> tuple[str | None, dict[str
     return max(pos, key=lambda k: pos[k]), ex
 
 
-def _per_step(c: Any, run_id: int, max_points: int) -> dict[str, Any]:
-    """Slowest rank and skew per step, reduced to ≤ max_points buckets keeping each bucket's worst step."""
-    rows = c.execute(
-        text("SELECT step, slowest_rank, work_s_max / nullif(work_s, 0) FROM steps WHERE run_id = :id AND n_ranks > 0 "
-             "ORDER BY step"),
-        {"id": run_id},
-    ).fetchall()
-    if not rows:
+def per_step_view(frame: StepFrame, max_points: int) -> dict[str, Any]:
+    """Slowest rank and skew per step (frame columns ``step``, ``slowest_rank``, ``skew``), reduced to
+    ≤ max_points buckets keeping each bucket's worst step."""
+    if not len(frame):
         return {"step": [], "slowest_rank": [], "skew": [], "bucket_steps": 1}
-    step = np.array([r[0] for r in rows])
-    rank = np.array([-1 if r[1] is None else r[1] for r in rows])
-    skew = np.array([np.nan if r[2] is None else float(r[2]) for r in rows])
-    k = max(1, -(-len(rows) // max_points))
+    step = frame["step"].astype(np.int64)
+    rank = np.nan_to_num(frame["slowest_rank"], nan=-1).astype(np.int64)
+    skew = frame["skew"]
+    n = len(step)
+    k = max(1, -(-n // max_points))
     if k > 1:
-        m = -(-len(rows) // k)
-        pad = m * k - len(rows)
+        m = -(-n // k)
+        pad = m * k - n
         sk = np.r_[np.nan_to_num(skew, nan=-1.0), np.full(pad, -np.inf)].reshape(m, k)
         pick = np.arange(m) * k + np.argmax(sk, axis=1)
-        pick = pick[pick < len(rows)]
+        pick = pick[pick < n]
         step, rank, skew = step[pick], rank[pick], skew[pick]
     return {"step": step.tolist(), "slowest_rank": [int(r) if r >= 0 else None for r in rank],
             "skew": [None if not np.isfinite(v) else float(v) for v in skew], "bucket_steps": k}
 
 
-def run_stragglers(engine: Engine, run_id: int, *, threshold: float = THRESHOLD, per_step: bool = False,
-                   max_points: int = 1000) -> dict[str, Any] | None:
-    """The straggler report of a run (None if the run does not exist); see the module docstring.
-
-    ``per_step=True`` adds ``per_step``: the slowest rank and skew of each step (the worst step of
-    each bucket when there are more than ``max_points`` steps)."""
-    with engine.connect() as c:
-        run = c.execute(text("SELECT world_size, rank_steps, collective_records, status FROM runs WHERE id = :id"),
-                        {"id": run_id}).fetchone()
-        if run is None:
-            return None
-        # the report changes only when compaction folds new rows into the run: cache it per stamp
-        key = (engine.url.render_as_string(hide_password=True), run_id, threshold, per_step, max_points)
-        stamp = (run[1], run[2], run[3])
-        with _cache_lock:
-            cached = _cache.get(key)
-        if cached is not None and cached[0] == stamp:
-            return copy.deepcopy(cached[1])
-        world_size = int(run[0] or 1)
-        hosts = _ranks_hosts(c, run_id)
-        base = _step_stats(c, run_id)
-        data = _from_rollups(c, run_id) or _from_blocks(c, run_id, world_size)
-        steps_view = _per_step(c, run_id, max_points) if per_step else None
+def straggler_report(run_id: int, *, world_size: int, fig: RunFigures, hosts: dict[int, tuple[str | None, str | None]],
+                     data: dict[str, Any] | None, threshold: float = THRESHOLD,
+                     per_step: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The straggler report of a run (see the module docstring). ``data``: :func:`from_rollups` or
+    :func:`from_blocks`; ``fig``: the run's figures (step counts, fleet time lost, skew percentiles);
+    ``per_step``: :func:`per_step_view`, included when given."""
+    lost = fig.sum_wait_s if fig.steps else None
+    base = {
+        "steps": fig.steps,
+        "fleet_lost_s": lost,
+        "fleet_lost_share": float(lost / fig.sum_step_s) if lost is not None and fig.sum_step_s else None,
+        "skew_p50": fig.skew_p50,
+        "skew_p95": fig.skew_p95,
+        "skew_max": fig.skew_max,
+    }
+    world_size = int(world_size or 1)
     out: dict[str, Any] = {"run_id": run_id, "threshold": threshold, "window_steps": WINDOW_STEPS, **base,
                            "source": None, "stragglers": [], "nodes": [], "late_ranks": []}
-    if steps_view is not None:
-        out["per_step"] = steps_view
+    if per_step is not None:
+        out["per_step"] = per_step
     if data is None:
         return out
     out["source"] = data["source"]
@@ -300,10 +222,6 @@ def run_stragglers(engine: Engine, run_id: int, *, threshold: float = THRESHOLD,
                                       "lateness_s": float(late[j]), "last_arrivals": int(arr["last_arrivals"][j])})
         out["late_ranks"].sort(key=lambda x: -x["lateness_s"])
     out["hist_bins"] = {"lo": HIST_LO, "width": HIST_BW, "n": HIST_NB}
-    with _cache_lock:
-        _cache[key] = (stamp, copy.deepcopy(out))
-        while len(_cache) > _CACHE_RUNS:
-            _cache.pop(next(iter(_cache)))
     return out
 
 

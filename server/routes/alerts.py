@@ -7,7 +7,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path, Query
 from starlette.concurrency import run_in_threadpool
 
-from .. import alerts as alert_store
+from .. import alerts as alert_lifecycle
+from .. import reports
 from ..deps import AdminAuth, State
 from ..schemas import AlertsResponse
 
@@ -25,19 +26,19 @@ def get_alerts(
     run_id: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 500,
 ) -> Any:
-    return {"alerts": alert_store.list_alerts(st.engine, state=state, kind=kind, run_id=run_id, limit=limit)}
+    return {"alerts": reports.list_alerts(st.engine, state=state, kind=kind, run_id=run_id, limit=limit)}
 
 
 @router.get("/alerts/{alert_id}", summary="One alert")
 def get_alert(alert_id: AlertId, st: State) -> dict[str, Any]:
-    a = alert_store.get_alert(st.engine, alert_id)
+    a = reports.get_alert(st.engine, alert_id)
     if a is None:
         raise HTTPException(status_code=404, detail=f"alert {alert_id} not found")
     return a
 
 
 def _transition(alert_id: int, st: State, state: str) -> dict[str, Any]:
-    a = alert_store.set_state(st.engine, alert_id, state)
+    a = alert_lifecycle.set_state(st.engine, alert_id, state)
     if a is None:
         raise HTTPException(status_code=404, detail=f"alert {alert_id} not found")
     return a
@@ -56,9 +57,7 @@ def post_resolve(alert_id: AlertId, st: State) -> dict[str, Any]:
 @router.get("/runs/{run_id}/check", tags=["regressions"],
             summary="Is this run a regression against its family's baseline? (fleetscope check)")
 async def get_check(run_id: RunId, st: State) -> dict[str, Any]:
-    from ..analysis.regressions import check_run
-
-    res = await run_in_threadpool(check_run, st.engine, run_id)
+    res = await run_in_threadpool(reports.check_run, st.engine, run_id)
     if res is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
     return res

@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sqlalchemy import text
+
+from .. import reports
 
 router = APIRouter(tags=["health"])
 
@@ -16,9 +17,8 @@ def healthz(request: Request) -> JSONResponse:
     if st is None or not st.ready:
         return JSONResponse({"status": "starting"}, status_code=503)
     try:
-        with st.engine.connect() as c:
-            c.execute(text("SELECT 1"))
-    except Exception as e:  # noqa: BLE001
+        reports.database_ok(st.engine)
+    except Exception as e:  # noqa: BLE001 - any failure to reach the database means not ready
         return JSONResponse({"status": "database unavailable", "error": type(e).__name__}, status_code=503)
     return JSONResponse({"status": "ok"})
 

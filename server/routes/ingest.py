@@ -13,7 +13,7 @@ from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 
 from ..deps import IngestAuth, State
-from ..ingest import Overloaded, decode_body
+from ..ingest import Overloaded
 from ..schemas import INGEST_BODY_SCHEMA, IngestResponse
 from ..validate import BatchError
 
@@ -47,7 +47,8 @@ def _error(st: Any, status: int, detail: Any, headers: dict[str, str] | None = N
         401: {"description": "Missing or invalid bearer token; nothing written"},
         413: {"description": "Batch too large"},
         415: {"description": "Unsupported Content-Type or Content-Encoding"},
-        422: {"description": "Invalid record: the detail names the record index and field; nothing written"},
+        422: {"description": "Invalid record: the detail names the record index and field (`where`, and structured "
+              "in `loc`: {section, index, field}); nothing written"},
         429: {"description": "Compaction backlog; retry after Retry-After seconds"},
         503: {"description": "Overloaded; retry after Retry-After seconds"},
     },
@@ -71,13 +72,8 @@ async def ingest(request: Request, st: State) -> Any:
     body = b"".join(chunks)
 
     def work() -> Any:
-        doc = decode_body(
-            body,
-            request.headers.get("content-type"),
-            request.headers.get("content-encoding"),
-            max_decoded=st.settings.max_decoded_bytes,
-        )
-        return st.ingest.ingest(doc)
+        return st.ingest.ingest_body(body, request.headers.get("content-type"), request.headers.get("content-encoding"),
+                                     max_decoded=st.settings.max_decoded_bytes)
 
     try:
         res = await run_in_threadpool(work)

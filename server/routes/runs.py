@@ -7,9 +7,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path, Query
 from starlette.concurrency import run_in_threadpool
 
-from .. import queries
-from ..deps import IngestAuth, State
-from ..runs import RunFinish, RunRegistration, finish_run, register_run
+from .. import reports
+from ..deps import AdminAuth, IngestAuth, IngestCaller, State
+from ..runs import NotOwner, RunFinish, RunRegistration, delete_run, finish_run, register_run
 from ..schemas import RunsResponse, SummaryResponse
 
 router = APIRouter(tags=["runs"])
@@ -18,17 +18,33 @@ RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
 
 
 @router.post("/runs", dependencies=[IngestAuth], summary="Register a run (idempotent by name; every rank may call it)")
-def post_run(reg: RunRegistration, st: State) -> dict[str, Any]:
-    out = register_run(st.engine, reg)
+def post_run(reg: RunRegistration, st: State, who: IngestCaller) -> dict[str, Any]:
+    out = register_run(st.engine, reg, owner_token_id=who.token_id, admin=who.allows("admin"))
     st.ingest.forget_run(out["id"])
     return out
 
 
 @router.post("/runs/{run_id}/finish", dependencies=[IngestAuth], summary="Mark a run finished/failed/aborted")
-def post_finish(run_id: RunId, body: RunFinish, st: State) -> dict[str, Any]:
-    if not finish_run(st.engine, run_id, body.status, body.finished_at):
+def post_finish(run_id: RunId, body: RunFinish, st: State, who: IngestCaller) -> dict[str, Any]:
+    try:
+        found = finish_run(st.engine, run_id, body.status, body.finished_at, token_id=who.token_id,
+                           admin=who.allows("admin"))
+    except NotOwner as e:
+        raise HTTPException(status_code=403, detail=str(e)) from None
+    if not found:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
     return {"id": run_id, "status": body.status}
+
+
+@router.delete("/runs/{run_id}", dependencies=[AdminAuth],
+               summary="Delete a run and everything that hangs off it (admin token)")
+def delete_run_route(run_id: RunId, st: State) -> dict[str, Any]:
+    deleted = delete_run(st.engine, run_id)
+    if deleted is None:
+        raise HTTPException(status_code=404, detail=f"run {run_id} not found")
+    st.ingest.forget_run(run_id)
+    reports.clear_caches()
+    return {"id": run_id, "deleted": deleted}
 
 
 @router.get("/runs", response_model=RunsResponse, summary="List runs, newest first")
@@ -39,13 +55,13 @@ async def get_runs(
     status: Annotated[str | None, Query(max_length=16)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
 ) -> Any:
-    runs = await run_in_threadpool(lambda: queries.list_runs(st.engine, name=name, family=family, status=status, limit=limit))
+    runs = await run_in_threadpool(lambda: reports.list_runs(st.engine, name=name, family=family, status=status, limit=limit))
     return {"runs": runs}
 
 
 @router.get("/runs/{run_id}", summary="One run")
 def get_run(run_id: RunId, st: State) -> dict[str, Any]:
-    run = queries.get_run(st.engine, run_id)
+    run = reports.get_run(st.engine, run_id)
     if run is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
     return run
@@ -53,7 +69,7 @@ def get_run(run_id: RunId, st: State) -> dict[str, Any]:
 
 @router.get("/runs/{run_id}/summary", response_model=SummaryResponse, summary="Run summary (docs/metrics.md)")
 def get_summary(run_id: RunId, st: State) -> Any:
-    s = queries.run_summary(st.engine, run_id)
+    s = reports.run_summary(st.engine, run_id)
     if s is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
     return s
@@ -61,6 +77,6 @@ def get_summary(run_id: RunId, st: State) -> Any:
 
 @router.get("/runs/{run_id}/collectives", summary="Collectives by op × group × message size, with busbw")
 def get_collectives(run_id: RunId, st: State) -> dict[str, Any]:
-    if queries.get_run(st.engine, run_id) is None:
+    if reports.get_run(st.engine, run_id) is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
-    return {"collectives": queries.run_collectives(st.engine, run_id)}
+    return {"collectives": reports.run_collectives(st.engine, run_id)}

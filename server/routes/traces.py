@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .. import queries
+from .. import reports
 from ..deps import IngestAuth, State
-from ..traces_store import SET_RANK, run_traces, save_traces
+from ..jsonsafe import UnsafeValue, check_json, check_text
+from ..store.traces import SET_RANK, save_traces
 
 router = APIRouter(tags=["traces"])
 
@@ -38,30 +38,29 @@ class TraceUpload(BaseModel):
         default=None, min_length=1, max_length=512, description="file or directory imported"
     )
 
+    @field_validator("source")
+    @classmethod
+    def _text(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                check_text(v, "source", max_len=512)
+            except UnsafeValue as e:
+                raise ValueError(e.message) from None
+        return v
+
 
 class TracesStored(BaseModel):
     run_id: int
     stored: int
 
 
-def _check_json(v: Any, where: str, depth: int = 0) -> None:
-    """JSONB refuses NaN/inf and NUL characters: refuse them here with a 422 naming the field."""
-    if depth > _MAX_DEPTH:
-        raise HTTPException(status_code=422, detail=f"{where}: nested deeper than {_MAX_DEPTH} levels")
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            raise HTTPException(status_code=422, detail=f"{where}: non-finite number")
-    elif isinstance(v, str):
-        if "\x00" in v:
-            raise HTTPException(status_code=422, detail=f"{where}: NUL character in a string")
-    elif isinstance(v, dict):
-        for k, x in v.items():
-            if "\x00" in k:
-                raise HTTPException(status_code=422, detail=f"{where}: NUL character in a key")
-            _check_json(x, f"{where}.{k}", depth + 1)
-    elif isinstance(v, list):
-        for i, x in enumerate(v):
-            _check_json(x, f"{where}[{i}]", depth + 1)
+def _check_json(v: Any, where: str) -> None:
+    """What JSONB cannot store or pages cannot read (NaN/inf, NUL, lone surrogates, huge integers, deep
+    nesting): a 422 naming the field."""
+    try:
+        check_json(v, where, max_depth=_MAX_DEPTH, max_items=2_000_000)
+    except UnsafeValue as e:
+        raise HTTPException(status_code=422, detail=f"{e.where}: {e.message}") from None
 
 
 def _rows(body: TraceUpload) -> list[tuple[int, str, dict[str, Any]]]:
@@ -101,7 +100,7 @@ def _rows(body: TraceUpload) -> list[tuple[int, str, dict[str, Any]]]:
     summary="Attach reduced Kineto traces to a run",
 )
 def post_traces(run_id: RunId, body: TraceUpload, st: State) -> Any:
-    if queries.get_run(st.engine, run_id) is None:
+    if reports.get_run(st.engine, run_id) is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
     rows = _rows(body)
     stored = save_traces(st.engine, run_id=run_id, rows=rows)
@@ -112,6 +111,6 @@ def post_traces(run_id: RunId, body: TraceUpload, st: State) -> Any:
     "/runs/{run_id}/traces", summary="The run's trace summaries (per rank; rank -1: cross-rank figures)"
 )
 def get_traces(run_id: RunId, st: State) -> dict[str, Any]:
-    if queries.get_run(st.engine, run_id) is None:
+    if reports.get_run(st.engine, run_id) is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
-    return {"run_id": run_id, "traces": run_traces(st.engine, run_id)}
+    return {"run_id": run_id, "traces": reports.run_traces(st.engine, run_id)}

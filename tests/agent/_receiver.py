@@ -3,7 +3,8 @@
 ``POST /api/v1/runs`` (idempotent by name), ``POST /api/v1/runs/{id}/finish`` and
 ``POST /api/v1/ingest`` (gzip + msgpack or JSON) are answered; every accepted batch is decoded and
 kept in arrival order. ``plan`` scripts the next ingest answers: "ok", an int status (500, 401, 422,
-...), ("status", code, retry_after), ("invalid_row", i) (a 422 naming record i), "garbage" (not
+...), ("status", code, retry_after), ("invalid_row", i) (a 422 naming record i as the server does),
+("invalid_loc", section, i) (a 422 naming it in ``detail.loc`` only), "garbage" (not
 HTTP), "close" (drop the connection), "hang" (answer nothing until released), "hold" (answer once
 released). ``max_records`` makes larger batches get 413.
 """
@@ -190,7 +191,7 @@ class _Handler(BaseHTTPRequestHandler):
                     behaviour
                     if isinstance(behaviour, (int, str))
                     else 422
-                    if behaviour[0] == "invalid_row"
+                    if behaviour[0] in ("invalid_row", "invalid_loc")
                     else behaviour[1],
                 )
             )
@@ -211,15 +212,21 @@ class _Handler(BaseHTTPRequestHandler):
             r.release.wait(30)
             behaviour = "ok"
         if isinstance(behaviour, tuple) and behaviour[0] == "invalid_row":  # 422 naming one record
-            where = f"rank_steps.step_s[{behaviour[1]}]"
-            self._answer(422, {"detail": {"error": f"{where}: must be >= 0", "where": where, "got": -1.0}})
+            where = f"rank_steps.step_s[{behaviour[1]}]"  # as the server says it (server/validate.py)
+            loc = {"section": "rank_steps", "index": behaviour[1], "field": "step_s"}
+            self._answer(422, {"detail": {"error": f"{where}: must be >= 0", "where": where, "loc": loc, "got": -1.0}})
+            return
+        if isinstance(behaviour, tuple) and behaviour[0] == "invalid_loc":  # the structured location only
+            loc = {"section": behaviour[1], "index": behaviour[2], "field": None}
+            self._answer(422, {"detail": {"error": "a record is invalid", "loc": loc}})
             return
         if isinstance(behaviour, tuple):
             _, status, retry_after = behaviour
             self._answer(status, {"detail": "busy"}, {"Retry-After": str(retry_after)})
             return
         if isinstance(behaviour, int):
-            detail: Any = {"error": "rank_steps.step_s[0]: must be >= 0", "where": "rank_steps.step_s"}
+            loc = {"section": "rank_steps", "index": None, "field": "step_s"}  # no single record named
+            detail: Any = {"error": "rank_steps.step_s[0]: must be >= 0", "where": "rank_steps.step_s", "loc": loc}
             self._answer(behaviour, {"detail": detail if behaviour == 422 else "no"})
             return
         if r.max_records is not None and _records(doc) > r.max_records:
@@ -228,7 +235,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(413, {"detail": "batch too large"})
             return
         if doc.get("run_id") not in r.runs.values():
-            self._answer(422, {"detail": {"error": "run_id: unknown run", "where": "run_id"}})
+            loc = {"section": None, "index": None, "field": "run_id"}
+            self._answer(422, {"detail": {"error": "run_id: unknown run", "where": "run_id", "loc": loc}})
             return
         with r.lock:
             r.batches.append(doc)

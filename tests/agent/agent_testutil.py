@@ -1,5 +1,6 @@
-"""Helpers of the agent API tests: a fake transport with the real one's interface, records as dicts,
-and the worker functions of the multi-process torch jobs (importable by spawned children)."""
+"""Helpers of the agent API tests: a fake transport and a scripted clock satisfying the agent's
+protocols (agent/protocols.py), records as dicts, and the worker functions of the multi-process torch
+jobs (importable by spawned children)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ MO = [f.name for f in MODALITY_FIELDS]
 
 
 class FakeTransport:
-    """Same interface as ``fleetscope.agent.transport.Transport``; keeps what it is given.
+    """A ``fleetscope.agent.protocols.Transport`` (like the real ``transport.Transport``); keeps what it
+    is given.
 
     With ``path``, ``close`` writes everything to that JSON file (multi-process tests)."""
 
@@ -64,6 +66,37 @@ class FakeTransport:
 
     def modalities(self) -> list[dict[str, Any]]:
         return [dict(zip(MO, r, strict=True)) for r in self.of("modality_tokens")]
+
+
+class ScriptedClock:
+    """A host clock the test moves by hand: every mark reads ``now`` (ns)."""
+
+    kind = "cpu"
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def mark(self) -> int:
+        return self.now
+
+    mark_async = mark
+
+    @staticmethod
+    def ready(m: Any) -> bool:
+        return True
+
+    @staticmethod
+    def elapsed_ns(a: int, b: int) -> int:
+        return b - a
+
+    def release(self, marks: Any) -> None:
+        return None
+
+    def on_main_stream(self) -> bool:
+        return True
+
+    def set_main_stream(self) -> None:
+        return None
 
 
 def load(path: str) -> dict[str, Any]:

@@ -13,42 +13,12 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 import fleetscope.agent as fs  # noqa: E402
-from agent_testutil import FakeTransport, parts_sum  # noqa: E402
+from agent_testutil import FakeTransport, ScriptedClock, parts_sum  # noqa: E402
 from fleetscope.agent import env  # noqa: E402
-from fleetscope.agent.run import BACKWARD, FLAG_NEGATIVE_RESIDUAL  # noqa: E402
+from fleetscope.agent.collective_marks import coll_begin, coll_end, ddp_issue  # noqa: E402
+from fleetscope.agent.step_state import BACKWARD, FLAG_NEGATIVE_RESIDUAL  # noqa: E402
 
 from fleetscope.wire import RANK_STEP_FIELDS  # noqa: E402
-
-
-class ScriptedClock:
-    """A host clock the test moves by hand: every mark reads ``now`` (ns)."""
-
-    kind = "cpu"
-
-    def __init__(self) -> None:
-        self.now = 0
-
-    def mark(self) -> int:
-        return self.now
-
-    mark_async = mark
-
-    @staticmethod
-    def ready(m: Any) -> bool:
-        return True
-
-    @staticmethod
-    def elapsed_ns(a: int, b: int) -> int:
-        return b - a
-
-    def release(self, marks: Any) -> None:
-        return None
-
-    def on_main_stream(self) -> bool:
-        return True
-
-    def set_main_stream(self) -> None:
-        return None
 
 
 @pytest.fixture
@@ -87,9 +57,9 @@ def test_decomposition_sums_exactly_and_exposed_comm_leaves_its_phase(make_run: 
             clock.now = 30
         with run.phase("backward"):
             clock.now = 40
-            call = run._coll_begin("all_reduce", 2, 4000, True)  # blocking: the thread waits
+            call = coll_begin(run, "all_reduce", 2, 4000, True)  # blocking: the thread waits
             clock.now = 50
-            run._coll_end(call, True)
+            coll_end(run, call, True)
             clock.now = 60
         with run.phase("optimizer"):
             clock.now = 65
@@ -121,7 +91,7 @@ def test_negative_residual_is_flagged_not_silently_clamped(make_run: Any) -> Non
     with run.step():
         with run.phase("backward"):
             clock.now = 2
-            call = run._ddp_issue(2, 1024)
+            call = ddp_issue(run, 2, 1024)
             assert call[7] == BACKWARD
             clock.now = 10
         clock.now = 30
@@ -145,9 +115,9 @@ def test_ddp_tail_moves_from_backward_to_exposed_comm(make_run: Any) -> None:
     with run.step():
         with run.phase("backward"):
             clock.now = 10
-            a = run._ddp_issue(2, 4096)  # bucket 1, overlapped with the rest of backward
+            a = ddp_issue(run, 2, 4096)  # bucket 1, overlapped with the rest of backward
             clock.now = 30
-            b = run._ddp_issue(2, 2048)  # the last bucket: compute is over
+            b = ddp_issue(run, 2, 2048)  # the last bucket: compute is over
             a[4] = 35
             clock.now = 50
             b[4] = 50  # the reducer waited from 30 to 50
@@ -447,11 +417,11 @@ def test_records_pass_the_transport_and_the_server_validator(make_run: Any) -> N
         with run.step(tokens={"vision": 10, "text": 5}, padded_tokens=20, samples=1):
             with run.phase("forward"):
                 clock.now += 7
-                c = run._coll_begin("all_gather", 1, 2048, True)
+                c = coll_begin(run, "all_gather", 1, 2048, True)
                 clock.now += 3
-                run._coll_end(c, True)
+                coll_end(run, c, True)
             with run.phase("backward"):
-                d = run._ddp_issue(1, 4096)
+                d = ddp_issue(run, 1, 4096)
                 clock.now += 5
                 d[4] = clock.now + 2  # the tail: the reducer waits 2 more
                 clock.now += 2

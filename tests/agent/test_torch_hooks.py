@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import agent_testutil as util  # noqa: E402
 import fleetscope.agent as fs  # noqa: E402
 from agent_testutil import FakeTransport, parts_sum  # noqa: E402
+from fleetscope.agent.collective_marks import coll_begin, coll_end  # noqa: E402
 from fleetscope.agent.run import FLAG_FLOPS_MEASURED  # noqa: E402
 
 torch.set_num_threads(1)
@@ -295,11 +296,11 @@ def test_collective_on_a_side_stream_is_overlapped_not_exposed(
     with run.step():
         with run.phase("forward"):
             dev.stream = "all_gather_stream"  # FSDP issues its all-gathers on its own stream
-            c = run._coll_begin("all_gather", 8, 1 << 20, True)
-            run._coll_end(c, True)
+            c = coll_begin(run, "all_gather", 8, 1 << 20, True)
+            coll_end(run, c, True)
             dev.stream = "main"
-            c = run._coll_begin("all_reduce", 8, 1 << 10, True)
-            run._coll_end(c, True)
+            c = coll_begin(run, "all_reduce", 8, 1 << 10, True)
+            coll_end(run, c, True)
     dev.done_upto = dev.host
     run.finish(timeout=1.0)
     (s,) = tx.steps()

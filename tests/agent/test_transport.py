@@ -362,6 +362,28 @@ def test_invalid_record_named_by_the_server_is_dropped_alone(tmp_path, receiver)
     assert t.stats()["dropped"] == {"invalid": 2} and t.stats()["sent"] == 5 + 1  # + the agent_drops event
 
 
+def test_the_bad_record_is_found_by_the_structured_loc_alone(tmp_path, receiver):
+    """The agent reads ``detail.loc`` {section, index, field} (no parsing of the message or ``where``);
+    a loc naming no record, or one outside the batch, drops the whole batch as before."""
+    receiver.plan.extend([("invalid_loc", "collectives", 1), ("invalid_loc", "rank_steps", None), "ok"])
+    receiver.plan.append(("invalid_loc", "rank_steps", 99))
+    t = Transport(cfg(tmp_path, receiver.url, flush_interval_s=60), RUN)  # one batch per flush()
+    for i in range(3):
+        t.submit("rank_step", step(0, i))
+        t.submit("collective", (0, i, 0, "all_reduce", 8, 4096, 1, 0.001, 0.0005, 1.7e9))
+    # collective 1 named: the 5 others are resent, then refused naming no record; then the
+    # agent_drops event reporting the 6 is accepted
+    assert t.flush(timeout=10)
+    assert t.stats()["dropped"] == {"invalid": 1 + 5}
+    for i in range(3, 5):
+        t.submit("rank_step", step(0, i))
+    assert t.flush(timeout=10)  # index 99 is not in the batch: nothing to salvage
+    t.close()
+    assert t.stats()["dropped"] == {"invalid": 1 + 5 + 2}
+    assert steps_of(receiver.rows()) == [] and len(receiver.batches) == 2  # the two agent_drops events
+    assert [s for p, s in receiver.log if p == "/api/v1/ingest"].count(422) == 3
+
+
 def test_too_large_batches_are_split_in_halves(tmp_path, receiver):
     receiver.max_records = 60
     t = Transport(cfg(tmp_path, receiver.url, batch_max_records=500, flush_interval_s=60), RUN)

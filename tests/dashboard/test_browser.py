@@ -58,7 +58,7 @@ def fleet(pg_admin_uri: str) -> Iterator[dict[str, Any]]:
                   first_bad={"run_id": ids[16], "index": 1},
                   details={"runs": [ids[8], ids[16], ids[32]], "values": [9e3, 7e3, 7.1e3]})
         add_benchmarks(srv)
-        from fleetscope.server.traces_store import save_traces
+        from fleetscope.server.store.traces import save_traces
 
         summary = {"kernel_time_us": 81_234.0, "compute_pct": 71.25, "non_compute_pct": 20.5, "idle_pct": 8.25,
                    "comm_overlap_pct": 41.0, "top_kernels": [

@@ -194,3 +194,20 @@ def test_every_chart_explains_itself_when_there_is_no_data(build) -> None:
 def test_timestamps_always_carry_their_zone() -> None:
     assert fmt_time("2026-12-03T05:51:00+02:00") == "2026-12-03 03:51 UTC"
     assert fmt_time(0) == "1970-01-01 00:00 UTC" and fmt_time(None) == "–"
+
+
+def test_markdown_in_run_names_is_escaped_in_the_fleet_table() -> None:
+    from fleetscope.dashboard.app import build_dash
+    from fleetscope.dashboard.components import md_escape
+
+    build_dash()  # pages register themselves with the app
+    from fleetscope.dashboard.pages.fleet import _row
+
+    name = "![pixel](http://evil.example/p.png) [click](http://evil.example) **bold**"
+    cell = _row({"name": name, "id": 7, "status": "running", "started_at": None})["name"]
+    assert cell.startswith("[") and cell.endswith("](/runs/7)")
+    inner = cell[1 : -len("](/runs/7)")]
+    assert inner == md_escape(name)
+    # no unescaped markdown syntax survives inside the link text
+    unescaped = [ch for i, ch in enumerate(inner) if ch in "![]()*" and (i == 0 or inner[i - 1] != "\\")]
+    assert not unescaped, inner

@@ -108,7 +108,7 @@ def _param_bytes() -> int:
 
 
 def test_four_rank_job_streams_every_rank_step_with_exact_decomposition(server: Server, engine: Any, tmp_path: Path) -> None:
-    from fleetscope.server.queries import rank_step_matrix
+    from fleetscope.server.store.steps import rank_step_matrix
 
     from fleetscope.demo_train import analytic_flops
 

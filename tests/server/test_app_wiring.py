@@ -26,7 +26,7 @@ def test_every_write_route_declares_the_token_dependency() -> None:
         names = _dependency_names(r)
         assert any(n.startswith("require_") and n.endswith("_token") for n in names), (r.path, names)
     admin = {r.path for r in writes if "require_admin_token" in _dependency_names(r)}
-    assert admin == {"/alerts/{alert_id}/ack", "/alerts/{alert_id}/resolve"}
+    assert admin == {"/alerts/{alert_id}/ack", "/alerts/{alert_id}/resolve", "/runs/{run_id}"}
 
 
 def test_every_write_route_answers_401_without_a_token_and_writes_nothing(live_server) -> None:  # type: ignore[no-untyped-def]
@@ -60,4 +60,13 @@ def test_server_never_imports_the_dashboard() -> None:
         for mod in _imports(f):
             if "dashboard" in mod:
                 offenders.append(f"{f.relative_to(ROOT)}: {mod}")
+    assert not offenders, offenders
+
+
+def test_no_string_imports_in_the_packages() -> None:
+    offenders = []
+    for part in ("server", "dashboard", "agent", "fleetscope"):
+        for f in (ROOT / part).rglob("*.py"):
+            if "importlib" in _imports(f) or "import_module(" in f.read_text():
+                offenders.append(str(f.relative_to(ROOT)))
     assert not offenders, offenders

@@ -84,7 +84,7 @@ def test_binary_copy_layout_roundtrips_through_postgres(engine: Any) -> None:
                 vals[f] = np.linspace(0, 1, n)
             vals["tokens"] = np.full(n, np.nan)
             layout = CopyLayout("rows_ref", RAW_STEP_LAYOUT.columns)
-            with cur.copy(layout.copy_in_sql) as cp:
+            with cur.copy(f"COPY {layout.table} ({', '.join(layout.names)}) FROM STDIN (FORMAT BINARY)") as cp:
                 cp.write(layout.build(n, vals))
             buf = bytearray()
             with cur.copy(f"COPY (SELECT {', '.join(layout.names)} FROM rows_ref ORDER BY step, rank) "

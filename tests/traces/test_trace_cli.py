@@ -60,7 +60,7 @@ def test_server_without_run_is_a_usage_error(tmp_path: Path) -> None:
 
 @needs_data
 def test_server_attaches_traces_to_a_run_idempotently(live_server: Any) -> None:
-    from fleetscope.server.traces_store import run_traces
+    from fleetscope.server.reports import run_traces
 
     from fleetscope.traces.cli import import_trace
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
-from fleetscope.server.analysis.changepoint import DEFAULT, DetectorConfig, change_points, detect
-from fleetscope.server.analysis.cpeval import f1_margin, stationary_set
+
+from fleetscope.changepoint import DEFAULT, DetectorConfig, change_points, detect
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from cpeval import f1_margin, stationary_set  # noqa: E402  (bench/cpeval.py: the evaluation harness)
 
 
 def _series(levels: list[tuple[int, float]], cv: float = 0.03, seed: int = 0) -> np.ndarray:
@@ -106,3 +110,12 @@ def test_detect_command_prints_change_points_from_a_file_or_stdin(tmp_path) -> N
     assert json.loads(runner.invoke(app, ["detect", "-"], input="[1, 2, null, 3]").stdout) == {"change_points": []}
     assert runner.invoke(app, ["detect", str(tmp_path / "missing.json")]).exit_code == 2
     assert runner.invoke(app, ["detect", "-"], input='[1, "a"]').exit_code == 2
+
+
+def test_detect_needs_nothing_of_the_server() -> None:
+    """The detector and `fleetscope detect` / `check` / `bench` live outside the server package."""
+    code = ("import sys, fleetscope.changepoint, fleetscope.analysis_cli; "
+            "bad = sorted(m for m in sys.modules if m.startswith(('fleetscope.server', 'sqlalchemy', 'psycopg'))); "
+            "assert not bad, bad")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

@@ -1,4 +1,4 @@
-"""Bottleneck attribution on runs whose bottleneck is known by construction."""
+"""Bottleneck attribution (``reports.bottlenecks``) on runs whose bottleneck is known by construction."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import pytest
 from analysis_util import field_index, load, with_fields
-from fleetscope.server.analysis.bottlenecks import run_bottlenecks
+from fleetscope.server.reports import bottlenecks as run_bottlenecks
 
 from fleetscope.synthetic import RunSpec
 

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 from analysis_util import field_index, load, with_fields
-from fleetscope.server.analysis import collective_efficiency, compare_runs, run_goodput, scaling
+from fleetscope.server.reports import collective_efficiency, compare_runs, scaling
+from fleetscope.server.reports import goodput as run_goodput
 
 from fleetscope.synthetic import RunSpec
 
@@ -33,7 +34,7 @@ def test_compare_runs_in_normalised_units_with_the_config_diff(live_server: Any)
     a = load(live_server, RunSpec(name="a", family="vla-7b", world_size=8, steps=4), collectives=False)
     b = load(live_server, RunSpec(name="b", family="vit-h", world_size=16, steps=4, comm_bound=True),
              collectives=False)
-    out = compare_runs(live_server.state.engine, run_ids=[a, b, 999])
+    out = compare_runs(live_server.state.engine, [a, b, 999])
     ra, rb = out["runs"]
     assert out["missing"] == [999] and ra["id"] == a and rb["id"] == b
     for r in (ra, rb):

@@ -1,4 +1,5 @@
-"""Reduced Kineto traces attached to a run (issue #7): the ``trace_summaries`` table.
+"""Reduced Kineto traces attached to a run: the ``trace_summaries`` table, plus the summaries the
+agent's sampled tracing sends as ``trace_summary`` events.
 
 One row per (run, rank, source file) holds that rank's summary (``fleetscope.traces``: temporal
 breakdown, overlap, idle breakdown, kernel types, top kernels, per-step decomposition). The row with
@@ -47,33 +48,22 @@ def run_traces(engine: Engine, run_id: int) -> list[dict[str, Any]]:
     """
     with engine.connect() as c:
         rows = c.execute(
-            text(
-                "SELECT rank, source, created_at, summary FROM trace_summaries "
-                "WHERE run_id = :run ORDER BY rank, source"
-            ),
+            text("SELECT rank, source, created_at, summary FROM trace_summaries WHERE run_id = :run ORDER BY rank, source"),
             {"run": run_id},
         ).fetchall()
         # the agent's sampled tracing sends its summaries as `trace_summary` events (agent/tracing.py)
         sampled = c.execute(
-            text(
-                "SELECT rank, data FROM run_events WHERE run_id = :run AND kind = 'trace_summary' "
-                "ORDER BY rank, step"
-            ),
+            text("SELECT rank, data FROM run_events WHERE run_id = :run AND kind = 'trace_summary' ORDER BY rank, step"),
             {"run": run_id},
         ).fetchall()
     out = [
-        {
-            "rank": r.rank,
-            "source": r.source,
-            "created_at": r.created_at.isoformat() if r.created_at is not None else None,
-            "summary": r.summary,
-        }
+        {"rank": r.rank, "source": r.source, "created_at": r.created_at.isoformat() if r.created_at is not None else None,
+         "summary": r.summary}
         for r in rows
     ]
     for rank, data in sampled:
         summary = (data or {}).get("summary")
         if isinstance(summary, dict):
-            out.append({"rank": rank, "source": summary.get("source") or "sampled", "created_at": None,
-                        "summary": summary})
+            out.append({"rank": rank, "source": summary.get("source") or "sampled", "created_at": None, "summary": summary})
     out.sort(key=lambda d: (d["rank"], d["source"]))
     return out

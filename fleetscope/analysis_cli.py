@@ -1,7 +1,9 @@
 """Commands ``fleetscope detect``, ``check`` and ``bench`` (registered by ``fleetscope.cli``).
 
-Top-level imports stay light (typer + stdlib): numpy, httpx and torch are imported inside the
-commands that need them.
+None of them needs the server package: ``detect`` runs the change-point detector
+(``fleetscope.changepoint``) locally, ``check`` asks a server over HTTP, ``bench`` runs the
+microbenchmarks (``fleetscope.bench``) and posts them. Top-level imports stay light (typer +
+stdlib): numpy, httpx and torch are imported inside the commands that need them.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ def bench(
 ) -> None:
     """Cluster microbenchmarks recorded as benchmark series: matmul TFLOP/s by size and dtype,
     all_reduce busbw by message size (gloo on CPU, NCCL on GPUs), host→device bandwidth on GPU."""
-    from .microbench import run_all
+    from .bench import run_all
 
     results = run_all(quick=quick, threads=threads)
     commit = git_commit or os.environ.get("FLEETSCOPE_GIT_COMMIT") or _git_commit()

@@ -1,4 +1,5 @@
-"""Stragglers on synthetic runs with known answers, through the real ingest and compaction."""
+"""Stragglers (``reports.stragglers``) on synthetic runs with known answers, through the real ingest and
+compaction."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import httpx
 import numpy as np
 import pytest
 from analysis_util import field_index, load, with_fields
+from fleetscope.server import reports
 from fleetscope.server.analysis.rollups import HIST_BW
-from fleetscope.server.analysis.stragglers import _from_blocks, run_stragglers
+from fleetscope.server.analysis.stragglers import from_blocks
+from fleetscope.server.reports import stragglers as run_stragglers
+from fleetscope.server.store.steps import recent_blocks
 from sqlalchemy import text
 
 from fleetscope.synthetic import RunSpec
@@ -107,7 +111,7 @@ def test_rollups_stay_exact_when_ranks_arrive_late_or_twice(live_server: Any) ->
         roll = {r[0]: r[1:] for r in c.execute(
             text("SELECT rank, steps, above, excess_s, compute_excess_s, lost_s, slowest_steps FROM rank_rollups "
                  "WHERE run_id = :id"), {"id": rid})}
-        ref = _from_blocks(c, rid, 16)
+    ref = from_blocks(recent_blocks(eng, rid, 512), 16)
     assert ref is not None
     arr = ref["arr"]
     for j, rank in enumerate(arr["rank"].astype(int)):
@@ -126,9 +130,7 @@ def test_runs_without_rollups_are_analysed_from_recent_blocks(live_server: Any) 
     with eng.begin() as c:
         c.execute(text("DELETE FROM rank_rollups WHERE run_id = :id"), {"id": rid})
         c.execute(text("DELETE FROM rank_windows WHERE run_id = :id"), {"id": rid})
-    from fleetscope.server.analysis import stragglers
-
-    stragglers._cache.clear()  # reports are cached per run until new data is folded; rollups never vanish
+    reports.clear_caches()  # reports are cached per run until new data is folded; rollups never vanish
     rep = run_stragglers(eng, rid)
     assert rep["source"].startswith("blocks") and [x["rank"] for x in rep["stragglers"]] == [4]
     assert rep["stragglers"][0]["slowdown"] == pytest.approx(1.24, abs=0.02)
@@ -149,18 +151,3 @@ def test_a_failing_rollup_fold_never_stops_compaction(live_server: Any, monkeypa
     assert s["steps"] == 3 and s["rank_steps"] == 12  # compacted; stragglers fall back to the blocks
     assert run_stragglers(live_server.state.engine, rid)["source"].startswith("blocks")
 
-
-def test_fold_ignores_unmeasurable_rows() -> None:
-    """NaN or non-positive work (not measured, or a timing error) is left out of the ratios."""
-    from fleetscope.server.analysis.rollups import _contribution
-
-    n = 4
-    S = {"run_id": np.full(2 * n, 7), "step": np.repeat([0, 1], n), "rank": np.tile(np.arange(n), 2),
-         "is_old": np.zeros(2 * n, dtype=bool), "step_s": np.array([1.0, np.nan, 1.1, 0.9, 1.0, 1.0, 1.0, 1.0]),
-         "comm_exposed_s": np.array([0.1, 0.1, np.nan, 0.1, 0.1, 2.0, 0.1, 0.1]),
-         "data_s": np.full(2 * n, np.nan), "compute_s": np.full(2 * n, 0.8), "other_s": np.full(2 * n, 0.05)}
-    gid = S["step"].copy()
-    roll, win = _contribution(S, gid, 2, np.ones(2 * n, dtype=bool))
-    steps = {int(k[1]): int(v) for k, v in zip(roll["keys"], roll["steps"], strict=True)}
-    assert steps == {0: 2, 2: 2, 3: 2}  # rank 1: a NaN step, then work < 0 (exposed > step)
-    assert roll["hist"].sum() == 6 and np.isfinite(roll["excess_s"]).all() and np.isfinite(roll["data_excess_s"]).all()

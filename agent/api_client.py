@@ -1,44 +1,41 @@
-"""A small stdlib client of the fleetscope API for the agent's sender thread and ``fleetscope upload``.
+"""The fleetscope API as the agent's sender thread and ``fleetscope upload`` speak it: register a run,
+ingest a batch, finish a run, each retried by one policy.
 
-It knows what each answer means: 2xx delivered; 5xx, 408, 425, 429, refused/reset connections,
-timeouts and garbage are retried with capped, jittered exponential backoff honouring ``Retry-After``
-until a deadline; 413 splits the batch in halves; 400/422 reject the data (dropped, counted, logged
-once; when the server names the bad record, the rest is resent without it, a few times at most);
-401/403 and anything else keep the data (the caller spools it). Never logs the token.
+What each answer means: 2xx delivered; 5xx, 408, 425, 429, refused/reset connections, timeouts and
+garbage are retried with capped, jittered exponential backoff honouring ``Retry-After`` until a
+deadline; 413 splits the batch in halves; 400/422 reject the data (dropped, counted, logged once;
+when the server's ``detail.loc`` names the bad record, the rest is resent without it, a few times at
+most); 401/403 and anything else keep the data (the caller spools it). Never logs the token.
+The transport (``http_conn.Connection``) and the batch reshaping (``batching``) live apart.
 """
 
 from __future__ import annotations
 
 import email.utils
-import http.client
 import json
 import logging
 import random
-import re
-import socket
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fleetscope import __version__
-from fleetscope.wire import SECTIONS, encode_batch
 
-__all__ = ["Client", "Result", "ConnectionFailed", "LogOnce", "batch_records", "split_batch"]
+from .batching import Batch, batch_records, encode, split_batch, without_record
+from .http_conn import Connection, ConnectionFailed, Response
+from .urls import safe_url
+
+__all__ = ["Client", "Result", "LogOnce", "Payload", "ConnectionFailed"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_BODY = 1 << 20  # read at most this much of an answer; the API's answers are small
 _MIN_ATTEMPT_S = 0.05  # do not start a request with less time than this left
 _MAX_SALVAGE = 8  # a 422 naming one bad record: resend without it, at most this many times per batch
-_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
-_SECTION_KEYS = (*SECTIONS, "ranks", "events", "records")
 
-
-class ConnectionFailed(Exception):
-    """No valid HTTP answer: refused, reset, timed out, or not HTTP at all."""
+Payload = dict[str, Any]
+"""What one delivery carries, as a spool frame holds it: ``{"batch": Batch}`` or ``{"finish": status}``."""
 
 
 class LogOnce:
@@ -48,128 +45,11 @@ class LogOnce:
         self._log = log
         self._seen: set[str] = set()
 
-    def __call__(self, key: str, level: int, msg: str, *args: Any, exc_info: bool = False) -> None:
+    def __call__(self, key: str, level: int, msg: str, *args: object, exc_info: bool = False) -> None:
         if key in self._seen:
             return
         self._seen.add(key)
         self._log.log(level, msg, *args, exc_info=exc_info)
-
-
-@dataclass
-class _Response:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-
-class _Connection:
-    """One keep-alive HTTP(S) connection to the server, reopened after any failure."""
-
-    def __init__(self, base_url: str) -> None:
-        u = urllib.parse.urlsplit(base_url)
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise ValueError(
-                f"server URL must be http(s)://host[:port][/prefix], got {_safe_url(base_url)!r}"
-            )
-        self._https = u.scheme == "https"
-        self._host = u.hostname
-        self._port = u.port
-        self._prefix = u.path.rstrip("/")
-        self._conn: http.client.HTTPConnection | None = None
-
-    def request(
-        self, method: str, path: str, body: bytes, headers: dict[str, str], timeout: float
-    ) -> _Response:
-        for attempt in (0, 1):
-            reused = self._conn is not None
-            if self._conn is None:
-                cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-                self._conn = cls(self._host, self._port, timeout=timeout)
-            conn = self._conn
-            try:
-                conn.timeout = timeout
-                if conn.sock is not None:
-                    conn.sock.settimeout(timeout)
-                conn.request(method, self._prefix + path, body=body, headers=headers)
-                r = conn.getresponse()
-                data = r.read(_MAX_BODY)
-                if r.will_close or not r.isclosed():
-                    self.close()  # the server closes it, or we did not read it all: do not reuse
-                return _Response(r.status, {k.lower(): v for k, v in r.getheaders()}, data)
-            except (OSError, http.client.HTTPException, ValueError) as e:
-                self.close()
-                if attempt == 0 and reused and isinstance(e, _STALE):
-                    continue  # the server dropped an idle keep-alive connection: one fresh try
-                raise ConnectionFailed(f"{type(e).__name__}: {e}") from None
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def abort(self) -> None:
-        """Break an in-flight request from another thread (shutdown makes the blocked call return)."""
-        conn = self._conn
-        sock = getattr(conn, "sock", None)
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            try:
-                conn.close()
-            except Exception:
-                pass
-
-
-def _safe_url(url: str) -> str:
-    """The URL without user:password (never log credentials)."""
-    u = urllib.parse.urlsplit(url)
-    netloc = u.hostname or ""
-    if u.port:
-        netloc += f":{u.port}"
-    return urllib.parse.urlunsplit((u.scheme, netloc, u.path, "", ""))
-
-
-def batch_records(batch: dict[str, Any]) -> int:
-    """Records in a wire batch (columnar sections, ranks, events, row-form records)."""
-    n = 0
-    for key in _SECTION_KEYS:
-        v = batch.get(key)
-        if not v:
-            continue
-        if isinstance(v, dict):
-            n += len(next(iter(v.values()), ()))
-        else:
-            n += len(v)
-    return n
-
-
-def split_batch(batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Two batches holding the first and the second half of ``batch``'s records, order kept."""
-    k = batch_records(batch) // 2
-    a = {key: v for key, v in batch.items() if key not in _SECTION_KEYS}
-    b = dict(a)
-    for key in _SECTION_KEYS:
-        v = batch.get(key)
-        if not v:
-            continue
-        if isinstance(v, dict):
-            m = len(next(iter(v.values()), []))
-            take = min(m, k)
-            if take:
-                a[key] = {c: col[:take] for c, col in v.items()}
-            if take < m:
-                b[key] = {c: col[take:] for c, col in v.items()}
-        else:
-            m = len(v)
-            take = min(m, k)
-            if take:
-                a[key] = v[:take]
-            if take < m:
-                b[key] = v[take:]
-        k -= take
-    return a, b
 
 
 @dataclass
@@ -180,17 +60,17 @@ class Result:
     batches: int = 0
     finished: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
-    unsent: list[tuple[dict[str, Any], int]] = field(
-        default_factory=list
-    )  # ({"batch": b} | {"finish": s}, records)
-    reason: str | None = None  # why unsent: "unreachable", "unauthorized", "rejected"
+    unsent: list[tuple[Payload, int]] = field(default_factory=list)
+    """(payload, records) not delivered, in order: the caller spools them."""
+    reason: str | None = None
+    """Why unsent: "unreachable", "unauthorized", "rejected"."""
 
     def drop(self, reason: str, n: int) -> None:
         if n:
             self.dropped[reason] = self.dropped.get(reason, 0) + n
 
 
-def _retry_after(resp: _Response | None) -> float | None:
+def _retry_after(resp: Response | None) -> float | None:
     v = resp.headers.get("retry-after") if resp is not None else None
     if not v:
         return None
@@ -204,13 +84,42 @@ def _retry_after(resp: _Response | None) -> float | None:
         return None
 
 
-def _detail(resp: _Response) -> str:
+def _detail_of(resp: Response) -> object:
+    """The ``detail`` of a JSON error answer (None when the body is not one)."""
     try:
-        d = json.loads(resp.body).get("detail")
-        s = json.dumps(d) if not isinstance(d, str) else d
+        doc = json.loads(resp.body)
     except Exception:
+        return None
+    return doc.get("detail") if isinstance(doc, dict) else None
+
+
+def _detail(resp: Response) -> str:
+    """The answer's detail as a short log line."""
+    d = _detail_of(resp)
+    if d is None:
         s = resp.body[:200].decode("utf-8", "replace")
+    else:
+        s = d if isinstance(d, str) else json.dumps(d)
     return s[:500]
+
+
+def _bad_record(resp: Response) -> tuple[object, object] | None:
+    """(section, index) of the one record a 422 names in its structured ``detail.loc``, if it does."""
+    d = _detail_of(resp)
+    loc = d.get("loc") if isinstance(d, dict) else None
+    if not isinstance(loc, dict):
+        return None
+    return loc.get("section"), loc.get("index")
+
+
+def _unknown_run(resp: Response) -> bool:
+    """The server does not know the run id (404, or 422 about ``run_id``)."""
+    if resp.status == 404:
+        return True
+    if resp.status != 422:
+        return False
+    d = _detail_of(resp)
+    return isinstance(d, dict) and d.get("where") == "run_id"
 
 
 def _retryable(status: int) -> bool:
@@ -218,29 +127,32 @@ def _retryable(status: int) -> bool:
 
 
 class Client:
-    """Registers runs, sends batches and finishes, with the retry policy of the module docstring."""
+    """Registers runs, sends batches and finishes, with the retry policy of the module docstring.
+
+    The timing settings are ``AgentConfig``'s (``request_timeout_s``, ``backoff_initial_s``,
+    ``backoff_max_s``), passed by the caller: their defaults live there only."""
 
     def __init__(
         self,
         server: str,
         token: str | None,
         *,
-        request_timeout_s: float = 10.0,
-        backoff_initial_s: float = 0.2,
-        backoff_max_s: float = 10.0,
+        request_timeout_s: float,
+        backoff_initial_s: float,
+        backoff_max_s: float,
         stop: threading.Event | None = None,
         limit: Callable[[], float | None] | None = None,
         log_once: LogOnce | None = None,
     ) -> None:
         self.server = server.rstrip("/")
-        self._http = _Connection(self.server)
+        self._http = Connection(self.server)
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         self.request_timeout_s = request_timeout_s
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.stop = stop or threading.Event()
         """Set at shutdown: one attempt per request, and backoff sleeps end at once."""
-        self.limit = limit or (lambda: None)
+        self.limit: Callable[[], float | None] = limit or (lambda: None)
         """Monotonic time no request may run past (the shutdown budget), or None."""
         self.log_once = log_once or LogOnce(logger)
         self.retries = 0
@@ -248,7 +160,7 @@ class Client:
 
     def reset_after_fork(self, stop: threading.Event) -> None:
         """In a forked child: never touch the parent's socket; keep the run ids."""
-        self._http = _Connection(self.server)
+        self._http = Connection(self.server)
         self.stop = stop
         self.retries = 0
 
@@ -273,8 +185,8 @@ class Client:
         *,
         deadline: float,
         max_attempts: int | None,
-        valid: Callable[[_Response], bool] | None = None,
-    ) -> _Response | None:
+        valid: Callable[[Response], bool] | None = None,
+    ) -> Response | None:
         """POST until a non-retryable answer; None when the deadline or attempts ran out."""
         hdrs = {"User-Agent": f"fleetscope-agent/{__version__}", **headers, **self._auth}
         attempt = 0
@@ -286,7 +198,7 @@ class Client:
             remaining = end - time.monotonic()
             if remaining < _MIN_ATTEMPT_S:
                 return None
-            resp: _Response | None
+            resp: Response | None
             try:
                 resp = self._http.request("POST", path, body, hdrs, min(self.request_timeout_s, remaining))
             except ConnectionFailed as e:
@@ -295,7 +207,7 @@ class Client:
                     "unreachable",
                     logging.WARNING,
                     "fleetscope server %s unreachable (%s); retrying with backoff, then spooling to disk",
-                    _safe_url(self.server),
+                    safe_url(self.server),
                     e,
                 )
             else:
@@ -306,7 +218,7 @@ class Client:
                         "garbage",
                         logging.WARNING,
                         "fleetscope server %s sent an unreadable answer to %s",
-                        _safe_url(self.server),
+                        safe_url(self.server),
                         path,
                     )
                 else:
@@ -314,7 +226,7 @@ class Client:
                         f"status-{resp.status}",
                         logging.WARNING,
                         "fleetscope server %s answered %s to %s; retrying with backoff",
-                        _safe_url(self.server),
+                        safe_url(self.server),
                         resp.status,
                         path,
                     )
@@ -333,20 +245,22 @@ class Client:
 
     # -- the API ----------------------------------------------------------------------------------
 
+    @staticmethod
+    def _key(run_info: dict[str, Any]) -> str:
+        return json.dumps(run_info, sort_keys=True, default=str)
+
     def cached_run_id(self, run_info: dict[str, Any]) -> int | None:
         """The id this client registered ``run_info`` under, if it did."""
-        return self.run_ids.get(json.dumps(run_info, sort_keys=True, default=str))
+        return self.run_ids.get(self._key(run_info))
 
-    def register(
-        self, run_info: dict[str, Any], *, deadline: float, max_attempts: int | None = None
-    ) -> int | str:
+    def register(self, run_info: dict[str, Any], *, deadline: float, max_attempts: int | None = None) -> int | str:
         """The run's id (cached; POST /api/v1/runs is idempotent by name), or why not."""
-        key = json.dumps(run_info, sort_keys=True, default=str)
+        key = self._key(run_info)
         rid = self.run_ids.get(key)
         if rid is not None:
             return rid
 
-        def valid(r: _Response) -> bool:
+        def valid(r: Response) -> bool:
             try:
                 v = json.loads(r.body)["id"]
                 return isinstance(v, int) and not isinstance(v, bool)
@@ -371,9 +285,9 @@ class Client:
         return self._refused(resp, "registering the run")
 
     def _forget(self, run_info: dict[str, Any]) -> None:
-        self.run_ids.pop(json.dumps(run_info, sort_keys=True, default=str), None)
+        self.run_ids.pop(self._key(run_info), None)
 
-    def _refused(self, resp: _Response, what: str) -> str:
+    def _refused(self, resp: Response, what: str) -> str:
         """Classify a non-retryable, non-2xx answer: "invalid" (drop) or a reason to keep the data."""
         s = resp.status
         if s in (401, 403):
@@ -382,7 +296,7 @@ class Client:
                 logging.ERROR,
                 "fleetscope server %s refused the token (HTTP %s) while %s; data is spooled to disk "
                 "(send it later with `fleetscope upload`)",
-                _safe_url(self.server),
+                safe_url(self.server),
                 s,
                 what,
             )
@@ -401,7 +315,7 @@ class Client:
             f"rejected-{s}",
             logging.ERROR,
             "fleetscope server %s answered HTTP %s while %s; data is spooled",
-            _safe_url(self.server),
+            safe_url(self.server),
             s,
             what,
         )
@@ -410,7 +324,7 @@ class Client:
     def deliver(
         self,
         run_info: dict[str, Any],
-        payload: dict[str, Any],
+        payload: Payload,
         records: int,
         *,
         deadline: float,
@@ -424,14 +338,14 @@ class Client:
             self._send(run_info, payload["batch"], records, res, deadline, max_attempts, fresh_id=False)
         return res
 
-    def _keep(self, res: Result, reason: str, payload: dict[str, Any], n: int) -> None:
+    def _keep(self, res: Result, reason: str, payload: Payload, n: int) -> None:
         res.reason = res.reason or reason
         res.unsent.append((payload, n))
 
     def _send(
         self,
         run_info: dict[str, Any],
-        batch: dict[str, Any],
+        batch: Batch,
         n: int,
         res: Result,
         deadline: float,
@@ -451,7 +365,7 @@ class Client:
             self._keep(res, rid, {"batch": batch}, n)
             return
         try:
-            body, headers = _encode({**batch, "run_id": rid})
+            body, headers = encode({**batch, "run_id": rid})
         except (TypeError, ValueError, OverflowError) as e:
             self.log_once("encode", logging.ERROR, "fleetscope agent could not encode a batch: %s", e)
             res.drop("unencodable", n)
@@ -464,9 +378,7 @@ class Client:
             res.batches += 1
         elif resp.status == 413:
             if n <= 1:
-                self.log_once(
-                    "too-large", logging.ERROR, "fleetscope server refused a single record as too large"
-                )
+                self.log_once("too-large", logging.ERROR, "fleetscope server refused a single record as too large")
                 res.drop("too_large", n)
                 return
             a, b = split_batch(batch)
@@ -480,14 +392,13 @@ class Client:
             if why != "invalid":
                 self._keep(res, why, {"batch": batch}, n)
                 return
-            rest = _without_bad_record(batch, resp) if salvage < _MAX_SALVAGE and n > 1 else None
+            bad = _bad_record(resp) if salvage < _MAX_SALVAGE and n > 1 else None
+            rest = without_record(batch, *bad) if bad is not None else None
             if rest is None:
                 res.drop("invalid", n)
                 return
             res.drop("invalid", 1)  # the server named the one bad record: send the others
-            self._send(
-                run_info, rest, n - 1, res, deadline, max_attempts, fresh_id=fresh_id, salvage=salvage + 1
-            )
+            self._send(run_info, rest, n - 1, res, deadline, max_attempts, fresh_id=fresh_id, salvage=salvage + 1)
 
     def _finish(
         self, run_info: dict[str, Any], status: str, res: Result, deadline: float, max_attempts: int | None
@@ -523,65 +434,3 @@ class Client:
             else:
                 self._keep(res, why, {"finish": status}, 0)
             return
-
-
-def _encode(batch: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
-    """``wire.encode_batch``; values msgpack cannot pack (numpy scalars, ...) are made plain first."""
-    try:
-        return encode_batch(batch)
-    except TypeError:
-        import msgpack
-
-        from .spool import to_plain
-
-        plain = msgpack.unpackb(msgpack.packb(batch, use_bin_type=True, default=to_plain), raw=False)
-        return encode_batch(plain)
-
-
-_BAD_ROW = re.compile(
-    r"^(rank_steps|collectives|modality_tokens)\.[A-Za-z_]+\[(\d+)\]$|^(ranks|events)\[(\d+)\]"
-)
-
-
-def _without_bad_record(batch: dict[str, Any], resp: _Response) -> dict[str, Any] | None:
-    """``batch`` minus the one record a 422 names (``detail.where`` like ``rank_steps.step_s[7]``), or None."""
-    try:
-        where = json.loads(resp.body)["detail"]["where"]
-        m = _BAD_ROW.match(where)
-    except Exception:
-        return None
-    if m is None:
-        return None
-    key, idx = (m.group(1), int(m.group(2))) if m.group(1) else (m.group(3), int(m.group(4)))
-    section = batch.get(key)
-    out = dict(batch)
-    if isinstance(section, dict):
-        if not section or idx >= len(next(iter(section.values()))):
-            return None
-        cols = {c: v[:idx] + v[idx + 1 :] for c, v in section.items()}
-        if next(iter(cols.values())):
-            out[key] = cols
-        else:
-            del out[key]
-    elif isinstance(section, list) and idx < len(section):
-        rest = section[:idx] + section[idx + 1 :]
-        if rest:
-            out[key] = rest
-        else:
-            del out[key]
-    else:
-        return None
-    return out
-
-
-def _unknown_run(resp: _Response) -> bool:
-    """The server does not know the run id (404, or 422 about ``run_id``)."""
-    if resp.status == 404:
-        return True
-    if resp.status != 422:
-        return False
-    try:
-        d = json.loads(resp.body).get("detail")
-    except Exception:
-        return False
-    return isinstance(d, dict) and d.get("where") == "run_id"

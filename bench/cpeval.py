@@ -2,6 +2,7 @@
 2020): F1 with a margin of 5 points, index 0 counted as a change point in both the annotations and
 the predictions; plus a labelled synthetic set of the shapes performance series take.
 
+Used by ``bench/changepoint_eval.py`` and the detector's tests (``tests/test_changepoint.py``).
 Reimplemented from the paper's definition (precision over the union of annotations, recall averaged
 over annotators, each prediction matched at most once, closest first).
 """

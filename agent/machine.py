@@ -1,0 +1,369 @@
+"""The step machine: the training thread's timing state and its transitions.
+
+Timing is an exclusive state machine. Every transition (step start, phase enter/exit, blocking
+collective enter/exit, automatic hooks) takes one mark; a mark is ``perf_counter_ns`` on CPU or a
+recorded CUDA event on GPU (``clock.py``). Each interval between consecutive marks is charged to the
+state that was current — at once on the host clock (``step_state.BIG``), at resolution on CUDA
+(``pending.py``) — so
+
+    step_s = data_s + compute_s + comm_exposed_s + other_s
+
+holds by construction, and communication the training thread waited for inside a phase (a blocking
+all-gather in FSDP's forward, a ``work.wait()`` in backward) is charged to ``comm_exposed_s``, not to
+that phase. The only moved time is DDP's gradient all-reduce tail (measured off-thread, see
+``collective_stats.py``); if moving it would drive a phase below zero, the residual goes negative,
+is reported as ``other_s = 0`` with ``FLAG_NEGATIVE_RESIDUAL`` set, never clamped silently.
+
+``StepMachine`` holds the state and the core transitions (begin, to, push, pop, counts, abort, FLOP
+counting). Who drives them: ``Step``/``Phase`` (step.py, the host-clock case inlined), the collective
+wrappers (collective_marks.py), the automatic hooks (torch_hooks.py); a step ends in step_end.py, the
+one place its ``rank_step`` record is built. ``Run`` (run.py) adds the public API and the run's
+lifecycle. Hot-path rules: docs/agent.md, "Cost on the training thread". Internal errors are caught at each entry point
+and end in ``_error``: counted, logged once per place, never raised into the training loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .clock import CpuClock, make_clock
+from .collective_stats import CollectiveStats
+from .config import AgentConfig
+from .memory import NullSampler, make_sampler
+from .mfu import FlopMeter
+from .pending import PendingSteps
+from .protocols import Clock, HookHandle, Mark, MemorySampler, MemSample, StepTracer, Transport
+from .step_state import (
+    BIG,
+    FIRST_CUSTOM,
+    FLAG_FLOPS_MEASURED,
+    FORWARD,
+    NONE4,
+    OPTIMIZER,
+    OTHER,
+    STATE_NAMES,
+    Count,
+    StepData,
+    Tokens,
+)  # fmt: skip
+
+__all__ = ["StepMachine"]
+
+log = logging.getLogger("fleetscope.agent.run")
+
+_get_ident = threading.get_ident
+_time = time.time
+_SEQ_EPOCH = 1_700_000_000
+
+
+def _no_clock() -> Mark:
+    raise RuntimeError("no clock chosen yet")  # never on the hot path: a step chooses one first
+
+
+class StepMachine:
+    """The timing state of one rank's training thread (``Run`` is the public face of it).
+
+    Slots: the training thread reads and writes these attributes on every transition; slot reads
+    are the cheapest attribute reads CPython 3.11 has.
+    """
+
+    __slots__ = (
+        "config", "rank", "counters", "_submit", "_colls", "_pending", "_finished", "_closed",
+        "_errors_logged", "_hooks", "_tracer", "_event_seq",
+        "_clock", "_mark", "_cpu", "_nsteps", "_next_index",
+        "_mem", "_mem_every", "_mem_interval", "_mem_next", "_mem_val",
+        "_tid", "_step", "_stack", "_cur", "_fast", "_durs", "_zeros", "_t0", "_last", "_in_coll",
+        "_gap", "_state_names", "_flops_per_step", "_flops_per_token", "_flops_given", "_flop_meter",
+        "_flop_watch", "_collectives_installed", "_collectives_tried",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        *,
+        config: AgentConfig,
+        transport: Transport,
+        rank: int,
+        start_step: int,
+        flops_per_step: float | None,
+        flops_per_token: float | None,
+        flops_source: str | None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.counters: dict[str, int] = {
+            "steps": 0,
+            "steps_aborted": 0,
+            "steps_discarded": 0,
+            "steps_dropped_unresolved": 0,
+            "steps_in_graph_capture": 0,
+            "collectives": 0,
+            "collectives_incomplete": 0,
+            "collectives_dropped": 0,
+            "negative_residuals": 0,
+            "internal_errors": 0,
+        }
+        self._errors_logged: set[str] = set()
+        self._submit = transport.submit
+        self._colls = CollectiveStats(rank, transport.submit, self.counters, config.collective_aggregate_threshold)
+        self._pending = PendingSteps(config.max_pending_steps, self.counters)
+        self._finished = False
+        self._closed = False
+        self._hooks: list[HookHandle] = []  # torch hooks automatic mode registered, removed at finish
+        self._tracer: StepTracer | None = None
+        # Events are keyed (run, rank, seq): a restarted process (same run name) must not reuse the
+        # seq of its predecessor, so numbering starts at 4 × the seconds since 2023-11-14 (monotonic
+        # across restarts, below 2**30 until 2032; the transport's own events use 2**30+).
+        self._event_seq = max(0, int(_time()) - _SEQ_EPOCH) * 4 % (1 << 30)
+        # clock, chosen at the first step (CUDA only once the script initialised CUDA)
+        self._clock: Clock | None = None
+        self._mark: Callable[[], Mark] = _no_clock  # the clock's mark(), bound once: one call per transition
+        self._cpu = False
+        self._nsteps = 0
+        self._next_index = int(start_step)
+        self._mem: MemorySampler = NullSampler()
+        self._mem_every = config.memory_every_steps
+        self._mem_interval = 0  # host clock: ns between two reads of the sampler (RSS: 100 ms)
+        self._mem_next = -(1 << 62)
+        self._mem_val: MemSample = NONE4
+        # state machine of the training thread
+        self._tid = _get_ident()
+        self._step: StepData | None = None
+        self._stack: list[int] = []
+        self._cur = OTHER
+        # host clock: per-state accumulators of the open step (see BIG), its first and last marks
+        self._fast = False  # a step is open on the host clock and no FLOP counting is in progress
+        self._durs: list[int] = [0] * FIRST_CUSTOM
+        self._zeros: list[int] = [0] * FIRST_CUSTOM  # what _durs is reset to at each step's start
+        self._t0 = 0
+        self._last = 0
+        self._in_coll = False  # the training thread is inside a wrapped collective (collectives.py)
+        self._gap: list[Sequence[Any]] = []  # collectives issued outside any step, for the next step
+        self._state_names: list[str] = list(STATE_NAMES)
+        # FLOPs
+        self._flops_per_step = flops_per_step
+        self._flops_per_token = flops_per_token
+        self._flops_given = flops_source == "given" and flops_per_step is not None
+        self._flop_meter: FlopMeter | None = None
+        self._flop_watch = flops_source == "measured" and config.measure_flops
+        self._collectives_installed = False
+        self._collectives_tried = not config.collectives
+
+    # ------------------------------------------------------------------ errors, events
+    def _error(self, where: str, exc: BaseException) -> None:
+        self.counters["internal_errors"] += 1
+        if where not in self._errors_logged:
+            self._errors_logged.add(where)
+            log.warning("fleetscope agent: internal error in %s (counted, ignored): %r", where, exc)
+
+    def _event(self, kind: str, step: int | None, data: dict[str, Any]) -> None:
+        """Submit a run event (``Run.event``); ``seq`` counts up per rank. Nothing after finish."""
+        if self._closed:
+            return
+        try:
+            seq = self._event_seq
+            self._event_seq += 1
+            self._submit(
+                "event",
+                {
+                    "rank": self.rank,
+                    "seq": seq,
+                    "kind": kind,
+                    "ts": _time(),
+                    "step": self._next_index if step is None else step,
+                    "data": data,
+                },
+            )
+        except Exception as e:  # noqa: BLE001
+            self._error("event", e)
+
+    def _ensure_collectives(self) -> None:
+        """Start recording torch.distributed collectives, once it is imported (``Run`` installs the
+        wrappers; the bare machine records only what it is handed)."""
+        self._collectives_tried = True
+
+    # ------------------------------------------------------------------ clock
+    def _use_clock(self, clock: Clock) -> None:
+        """Fix the clock (the first step does it otherwise; tests inject fakes)."""
+        self._clock = clock
+        self._mark = clock.mark
+        self._cpu = clock.kind == "cpu"
+        clock.set_main_stream()
+        if self._mem_every > 0:
+            try:
+                self._mem = make_sampler("cuda" if clock.kind == "cuda" else "cpu")
+            except Exception as e:  # noqa: BLE001
+                self._error("memory", e)
+                self._mem = NullSampler()
+            self._mem_interval = int(self._mem.min_interval_ns)
+            self._mem_next = -(1 << 62)
+        self._ensure_collectives()
+
+    def _setup_clock(self) -> None:
+        try:
+            clock: Clock = make_clock(self.config.clock)
+        except Exception as e:  # noqa: BLE001
+            self._error("clock", e)
+            clock = CpuClock()
+        self._use_clock(clock)
+
+    # ------------------------------------------------------------------ transitions
+    def _begin(self, auto: bool, state: int, index: int | None = None) -> StepData:
+        if self._clock is None:
+            self._setup_clock()
+        elif not self._collectives_tried and "torch.distributed" in sys.modules:
+            self._ensure_collectives()
+        st = StepData(self._next_index if index is None else index, auto)
+        self._tid = _get_ident()
+        if self._stack:
+            self._stack = []
+        self._cur = state
+        m = self._mark()
+        if self._cpu:
+            self._durs[:] = self._zeros
+            self._t0 = m
+            self._last = m - BIG
+        else:
+            st.marks = [(m, state)]
+        if self._gap:
+            st.pre_calls, self._gap = self._gap, []
+        self._step = st
+        if self._flop_watch:
+            self._fast = False
+            if state == FORWARD:
+                self._flops_start()
+        else:
+            self._fast = self._cpu
+        if self._tracer is not None:  # sampled tracing (off by default): the slow path, like FLOP counting
+            self._fast = False
+            self._tracer.on_step_start(st.index)
+        return st
+
+    def _at(self, m: Mark, state: int) -> None:
+        """Transition of the open step to ``state`` at mark ``m`` (already taken)."""
+        if self._cpu:
+            self._durs[self._cur] += m - self._last
+            self._last = m - BIG
+        else:
+            self._step.marks.append((m, state))  # type: ignore[union-attr, attr-defined]  # CUDA: the list _begin made
+        self._cur = state
+
+    def _to(self, state: int) -> None:
+        if self._step is None:
+            return
+        self._at(self._mark(), state)
+        if self._flop_watch:
+            self._flops_transition(state)
+
+    def _push(self, state: int) -> None:
+        self._stack.append(self._cur)
+        self._to(state)
+
+    def _pop(self) -> None:
+        if self._stack:
+            self._to(self._stack.pop())
+
+    def count(self, tokens: Tokens = None, padded_tokens: Count = None, samples: Count = None) -> None:
+        """Add tokens (int or dict per modality), padded tokens and samples to the current step."""
+        st = self._step
+        if st is None:
+            return
+        try:
+            self._add_counts(st, tokens, padded_tokens, samples)
+        except Exception as e:  # noqa: BLE001
+            self._error("count", e)
+
+    def _add_counts(self, st: StepData, tokens: Tokens, padded: Count, samples: Count) -> None:
+        """Add tokens (an int, or a mapping per modality), padded tokens and samples to ``st``."""
+        if tokens is not None:
+            if type(tokens) is int:
+                st.tokens = tokens if st.tokens is None else st.tokens + tokens
+            elif isinstance(tokens, Mapping):
+                mod = st.modality
+                if mod is None:
+                    mod = st.modality = {}
+                total = 0
+                for k, v in tokens.items():
+                    v = int(v)
+                    mod[k] = mod.get(k, 0) + v
+                    total += v
+                st.tokens = (st.tokens or 0) + total
+            else:
+                st.tokens = (st.tokens or 0) + int(tokens)
+        if padded is not None:
+            st.padded = (st.padded or 0) + int(padded)
+        if samples is not None:
+            st.samples = (st.samples or 0) + int(samples)
+
+    def _abort(self) -> None:
+        """The step's body raised: the step is not submitted (counted)."""
+        if self._step is not None:
+            self.counters["steps_aborted"] += 1
+            self._drop_step()
+
+    def _discard(self) -> None:
+        """An automatically opened step that never ran (the loader was exhausted)."""
+        if self._step is not None:
+            self.counters["steps_discarded"] += 1
+            self._drop_step()
+
+    def _drop_step(self) -> None:
+        st = self._step
+        assert st is not None
+        self._step = None
+        self._fast = False
+        self._stack = []
+        self._cur = OTHER
+        if self._flop_meter is not None and self._flop_meter.active:
+            self._flop_meter.stop()
+            self._flop_meter = None  # measure again on the next step
+        # collectives issued in the dropped step stay visible, attributed to the next step
+        self._gap = [*st.pre_calls, *st.calls, *self._gap]
+        if self._clock is not None:
+            self._clock.release([m for m, _ in st.marks])
+
+    # ------------------------------------------------------------------ FLOPs (measured once)
+    def _flops_transition(self, state: int) -> None:
+        meter = self._flop_meter
+        if meter is None:
+            if state == FORWARD and self._step is not None:
+                self._flops_start()
+        elif meter.active and state == OPTIMIZER:
+            self._flops_stop()
+
+    def _flops_start(self) -> None:
+        if "torch" not in sys.modules:  # nothing to count, and importing torch here would cost seconds
+            self._flop_watch = False
+            return
+        meter = self._flop_meter = FlopMeter()
+        try:
+            meter.start()
+        except Exception as e:  # noqa: BLE001 - no torch / no FlopCounterMode: no measurement
+            self._error("flops", e)
+            self._flop_watch = False
+
+    def _flops_stop(self) -> None:
+        meter = self._flop_meter
+        self._flop_watch = False
+        st = self._step
+        try:
+            flops = meter.stop() if meter is not None else None
+        except Exception as e:  # noqa: BLE001
+            self._error("flops", e)
+            return
+        if st is not None and flops:
+            st.flops = flops
+            st.flags |= FLAG_FLOPS_MEASURED
+
+    def _record_measured_flops(self, st: StepData) -> None:
+        flops = st.flops
+        if not flops:
+            return
+        self._flops_per_step = float(flops)
+        if st.padded or st.tokens:
+            self._flops_per_token = flops / (st.padded or st.tokens)  # type: ignore[operator]
+        self._event("flops", st.index, {"flops": float(flops), "tokens": st.tokens, "source": "measured"})

@@ -1,0 +1,225 @@
+"""Per-run figures (docs/metrics.md): every number the API and the dashboard show about a run, each
+defined once here, from the run's row and its aggregates over steps (``store.aggregates``).
+
+The per-step quantities (FLOPs per device-second, raw tokens/s, straggler wait) are the SQL
+expressions of ``store.steps.PER_STEP``; the run's constants are applied here: :func:`mfu`,
+:func:`tokens_per_s`, :func:`step_s_per_1k_tokens`, :func:`overlap_ratio`, :func:`component_shares`,
+:func:`amdahl_ceiling`. The same functions turn per-step series into per-step figures for charts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any, TypeVar
+
+import numpy as np
+
+from ..store.rows import RunAggregate, RunRow
+
+__all__ = [
+    "RunFigures",
+    "FIGURES_VERSION",
+    "COMPONENTS",
+    "COMPONENT_LABELS",
+    "SHARE_KEYS",
+    "METRICS",
+    "run_figures",
+    "mfu",
+    "tokens_per_s",
+    "step_s_per_1k_tokens",
+    "overlap_ratio",
+    "component_shares",
+    "amdahl_ceiling",
+    "scaling_signature",
+    "comparable_key",
+]
+
+#: bumped when a figure's definition changes: cached figures of another version are recomputed
+FIGURES_VERSION = 2
+
+#: the step-time components in stacking order: (decomposition key, label)
+COMPONENTS = (("data_s", "data"), ("compute_s", "compute"), ("comm_exposed_s", "exposed comm"), ("other_s", "other"))
+COMPONENT_LABELS = dict(COMPONENTS) | {"straggler_wait_s": "straggler wait"}
+#: share names (``component_shares``) -> decomposition key
+SHARE_KEYS = {"data": "data_s", "compute": "compute_s", "comm_exposed": "comm_exposed_s", "other": "other_s",
+              "straggler_wait": "straggler_wait_s"}
+
+#: metrics compared across runs (regressions, ``check``): name -> (unit, higher_is_better)
+METRICS: dict[str, tuple[str, bool]] = {
+    "step_s": ("s", False),
+    "tokens_per_s_per_gpu": ("tokens/s/GPU", True),
+    "mfu": ("", True),
+}
+
+X = TypeVar("X", float, np.ndarray)
+
+
+def mfu(flops_per_dev_s: X, peak_flops: float) -> X:
+    """Model FLOPs utilisation: FLOPs done per device-second over the device's peak FLOP/s."""
+    return flops_per_dev_s / peak_flops
+
+
+def tokens_per_s(tokens_per_s_raw: X, mp_size: int | None) -> X:
+    """Training throughput: tokens per second of the step, each token counted once per model replica
+    (the ranks of one tensor/pipeline-parallel group see the same tokens)."""
+    return tokens_per_s_raw / max(1, int(mp_size or 1))
+
+
+def step_s_per_1k_tokens(step_s: float | None, tokens_per_rank_step: float | None, mp_size: int | None) -> float | None:
+    """GPU-seconds of one step per 1,000 tokens that GPU processed (= 1000 / tokens_per_s_per_gpu when
+    every figure is the same step's); comparable across batch sizes and scales."""
+    if not step_s or not tokens_per_rank_step:
+        return None
+    return step_s * 1000.0 / (tokens_per_rank_step * max(1, int(mp_size or 1)))
+
+
+def overlap_ratio(comm_exposed_s: float | None, comm_total_s: float | None) -> float | None:
+    """Share of communication hidden behind compute: 1 − exposed / total (None without communication)."""
+    if not comm_total_s or comm_exposed_s is None or comm_total_s <= 0:
+        return None
+    return 1.0 - comm_exposed_s / comm_total_s
+
+
+def component_shares(*, data_s: float, compute_s: float, comm_exposed_s: float, other_s: float,
+                     wait_in_comm_s: float) -> dict[str, float] | None:
+    """Shares of step time, summed over steps, of data, compute, exposed comm, other and straggler wait.
+
+    A synchronous job waits for the slowest rank inside its collectives: that wait (per step, at most
+    the step's exposed comm) is carved out of exposed comm and shown as its own component, so the
+    shares add up to 1 (docs/metrics.md "Bottleneck attribution")."""
+    parts = {"data": data_s, "compute": compute_s, "comm_exposed": comm_exposed_s - wait_in_comm_s,
+             "other": other_s, "straggler_wait": wait_in_comm_s}
+    total = sum(parts.values())
+    if total <= 0:
+        return None
+    return {k: v / total for k, v in parts.items()}
+
+
+def amdahl_ceiling(share: float) -> float | None:
+    """The most a step can speed up when a component of this share vanishes: 1 / (1 − p)."""
+    return 1.0 / (1.0 - share) if share < 1 else None
+
+
+def scaling_signature(config: dict[str, Any] | None) -> str:
+    """Config signature without the keys that change with cluster size (global batch, world size,
+    data-parallel degree): the runs of one scaling curve share it."""
+    c = {k: v for k, v in (config or {}).items() if k not in _SCALE_KEYS}
+    return hashlib.sha256(json.dumps(c, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+_SCALE_KEYS = {
+    "global_batch_tokens", "global_batch_size", "global_batch", "world_size", "num_nodes", "nnodes", "nodes",
+    "dp", "dp_size", "data_parallel", "gpus", "num_gpus", "seed", "run_name", "output_dir", "timestamp",
+}
+
+
+def comparable_key(run: RunRow) -> tuple[Any, ...]:
+    """Runs are comparable baselines when family, config signature, device type and world size match."""
+    return (run.model_family, run.config_signature, run.device_type, run.world_size)
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """A run's figures. Medians are over steps of the cross-rank median (``step_s_p95``: over steps of
+    the slowest rank); ``sum_*`` are sums over steps; None where nothing was measured."""
+
+    steps: int = 0
+    step_s: float | None = None
+    step_s_p95: float | None = None
+    data_s: float | None = None
+    compute_s: float | None = None
+    comm_exposed_s: float | None = None
+    other_s: float | None = None
+    comm_total_s: float | None = None
+    straggler_wait_s: float | None = None
+    overlap_ratio: float | None = None
+    mfu: float | None = None
+    tokens_per_s: float | None = None
+    tokens_per_s_per_gpu: float | None = None
+    tokens_per_rank_step: float | None = None
+    tokens_per_step: float | None = None
+    step_s_per_1k_tokens: float | None = None
+    packing_efficiency: float | None = None
+    mem_peak_bytes: float | None = None
+    alloc_retries: float | None = None
+    negative_residual_steps: int = 0
+    shares: dict[str, float] | None = None
+    sum_step_s: float | None = None
+    sum_comm_total_s: float | None = None
+    sum_comm_exposed_s: float | None = None
+    sum_wait_s: float | None = None
+    skew_p50: float | None = None
+    skew_p95: float | None = None
+    skew_max: float | None = None
+    first_ts: float | None = None
+    last_ts: float | None = None
+
+    @property
+    def decomposition(self) -> dict[str, float | None]:
+        return {"step_s": self.step_s, "data_s": self.data_s, "compute_s": self.compute_s,
+                "comm_exposed_s": self.comm_exposed_s, "other_s": self.other_s}
+
+    def get(self, name: str) -> Any:
+        """A figure by name (None for an unknown one)."""
+        return getattr(self, name, None) if name in _NAMES else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": FIGURES_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RunFigures | None:
+        """Figures cached by this version (None for another version's)."""
+        if d.get("v") != FIGURES_VERSION:
+            return None
+        return cls(**{k: d[k] for k in _NAMES if k in d})
+
+
+_NAMES = frozenset(f.name for f in fields(RunFigures))
+
+
+def run_figures(run: RunRow, a: RunAggregate | None) -> RunFigures:
+    """The run's figures from its aggregates over steps (all None/0 for a run without steps)."""
+    if a is None:
+        return RunFigures()
+    mp = run.mp_size
+    tps = tokens_per_s(a.tokens_per_s_raw, mp) if a.tokens_per_s_raw is not None else None
+    per_gpu = tps / max(int(run.world_size or 1), 1) if tps is not None else None
+    packing = None
+    if a.sum_padded_tokens is not None and a.sum_padded_tokens > 0:
+        packing = (a.sum_tokens or 0.0) / a.sum_padded_tokens
+    return RunFigures(
+        steps=a.n,
+        step_s=a.step_s,
+        step_s_p95=a.step_s_max_p95,
+        data_s=a.data_s,
+        compute_s=a.compute_s,
+        comm_exposed_s=a.comm_exposed_s,
+        other_s=a.other_s,
+        comm_total_s=a.comm_total_s,
+        straggler_wait_s=a.straggler_wait_s,
+        overlap_ratio=overlap_ratio(a.comm_exposed_s, a.comm_total_s),
+        mfu=mfu(a.flops_per_dev_s, run.peak_flops) if a.flops_per_dev_s is not None and run.peak_flops else None,
+        tokens_per_s=tps,
+        tokens_per_s_per_gpu=per_gpu,
+        tokens_per_rank_step=a.tokens_per_rank_step,
+        tokens_per_step=a.tokens_per_step,
+        step_s_per_1k_tokens=step_s_per_1k_tokens(a.step_s, a.tokens_per_rank_step, mp),
+        packing_efficiency=packing,
+        mem_peak_bytes=a.mem_peak_bytes,
+        alloc_retries=a.alloc_retries if a.alloc_retries is not None else 0.0,
+        negative_residual_steps=int(a.neg_residual_steps or 0),
+        shares=component_shares(data_s=a.sum_data_s or 0.0, compute_s=a.sum_compute_s or 0.0,
+                                comm_exposed_s=a.sum_comm_exposed_s or 0.0, other_s=a.sum_other_s or 0.0,
+                                wait_in_comm_s=a.sum_wait_in_comm_s or 0.0),
+        sum_step_s=a.sum_step_s,
+        sum_comm_total_s=a.sum_comm_total_s,
+        sum_comm_exposed_s=a.sum_comm_exposed_s,
+        sum_wait_s=a.sum_wait_s,
+        skew_p50=a.skew_p50,
+        skew_p95=a.skew_p95,
+        skew_max=a.skew_max,
+        first_ts=a.first_ts,
+        last_ts=a.last_ts,
+    )

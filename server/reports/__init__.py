@@ -1,0 +1,77 @@
+"""The read model: every report the API routes and the dashboard pages show, composed from the store
+(``fleetscope.server.store``: SQL, typed rows) and the analysis (``fleetscope.server.analysis``: pure
+functions). Routes and pages call only this package (and the ``downsample`` helpers).
+
+A run summary, for example (``GET /api/v1/runs/{id}/summary``)::
+
+    routes/runs.py get_summary
+      └ reports.run_summary                          reports/runs.py
+          ├ store.runs.get_run          → RunRow      (+ counts landed but not compacted)
+          ├ figures: cache → store.aggregates (run_stats row, else one aggregate query)
+          │            → analysis.figures.run_figures → RunFigures
+          ├ stragglers: store.ranks (rollups, hosts) → analysis.stragglers.straggler_report
+          └ bottlenecks: store.collectives + store.ranks → analysis.collectives, analysis.bottlenecks
+      → one dict (schemas.SummaryResponse)
+
+Reports of a run are cached per process until the run changes (``RunRow.version``); per-run figures
+are also kept in ``run_stats``. ``clear_caches()`` forgets the in-process part.
+"""
+
+from __future__ import annotations
+
+from ._cache import clear as clear_caches
+from .fleet import compare_runs, compare_view, families, fleet_rows, run_options, scaling, scaling_view
+from .pages import (
+    bottleneck_report,
+    collectives_view,
+    modality_series,
+    rank_heatmap,
+    rank_slowdown,
+    ranking_from_shares,
+    run_page_summary,
+    run_series,
+    straggler_view,
+)
+from .regressions import (
+    alert_series,
+    alerts_view,
+    benchmark_regressions,
+    benchmark_series,
+    benchmarks_view,
+    check_run,
+    get_alert,
+    list_alerts,
+    run_series_regressions,
+    step_shift_regression,
+    straggler_finding,
+)
+from .runs import (
+    bottlenecks,
+    collective_efficiency,
+    database_ok,
+    figures,
+    get_run,
+    goodput,
+    list_runs,
+    run_collectives,
+    run_events,
+    run_summary,
+    run_traces,
+    stragglers,
+    with_figures,
+)
+
+__all__ = [
+    "clear_caches",
+    # runs
+    "get_run", "list_runs", "figures", "with_figures", "run_summary", "bottlenecks", "stragglers",
+    "collective_efficiency", "run_collectives", "goodput", "run_events", "run_traces", "database_ok",
+    # run page
+    "run_page_summary", "run_series", "modality_series", "collectives_view", "straggler_view", "bottleneck_report",
+    "ranking_from_shares", "rank_heatmap", "rank_slowdown",
+    # across runs
+    "fleet_rows", "families", "run_options", "compare_runs", "compare_view", "scaling", "scaling_view",
+    # regressions, alerts, benchmarks
+    "run_series_regressions", "benchmark_regressions", "step_shift_regression", "straggler_finding", "check_run",
+    "list_alerts", "get_alert", "alerts_view", "alert_series", "benchmark_series", "benchmarks_view",
+]  # fmt: skip

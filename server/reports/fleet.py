@@ -1,0 +1,134 @@
+"""Reports across runs: the fleet table, pickers, compare and scaling — all from the same per-run
+figures (``runs.figures``) as the run summary."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Engine
+
+from ..analysis.figures import COMPONENTS, SHARE_KEYS
+from ..analysis.scaling import compare_runs as _compare_runs
+from ..analysis.scaling import scaling as _scaling
+from ..downsample import minmax_series
+from ..store import alerts, steps
+from ..store import runs as run_store
+from .pages import ranking_from_shares
+from .runs import figures, with_figures
+
+__all__ = ["fleet_rows", "families", "run_options", "compare_runs", "compare_view", "scaling", "scaling_view"]
+
+
+def fleet_rows(engine: Engine, *, family: str | None = None, status: str | None = None, q: str | None = None,
+               limit: int = 2000) -> list[dict[str, Any]]:
+    """Runs (running ones first, then newest) with their figures, top bottleneck and firing alerts."""
+    runs = run_store.fleet_runs(engine, family=family, status=status, q=q, limit=limit)
+    firing = alerts.firing_counts(engine, [r.id for r in runs])
+    figs = figures(engine, runs)
+    out = []
+    for r in runs:
+        f = figs[r.id]
+        ranking = ranking_from_shares(f.shares, f.step_s)
+        top = ranking[0] if ranking else None
+        out.append({
+            "id": r.id, "name": r.name, "model_family": r.model_family, "world_size": r.world_size,
+            "device_type": r.device_type, "status": r.status, "started_at": r.started_at,
+            "last_seen_at": r.last_seen_at, "git_commit": r.git_commit,
+            "steps": f.steps, "mfu": f.mfu, "tokens_per_s": f.tokens_per_s, "tokens_per_s_per_gpu": f.tokens_per_s_per_gpu,
+            "step_s_p50": f.step_s, "step_s_p95": f.step_s_p95, "top_bottleneck": top,
+            "alerts_firing": firing.get(r.id, 0), "config_signature": r.config_signature,
+        })  # fmt: skip
+    return out
+
+
+def families(engine: Engine) -> list[str]:
+    """Model families with at least one run."""
+    return run_store.families(engine)
+
+
+def run_options(engine: Engine, limit: int = 1000) -> list[dict[str, Any]]:
+    """(id, name, model_family, world_size) of recent runs, for pickers."""
+    return run_store.run_options(engine, limit)
+
+
+def compare_runs(engine: Engine, run_ids: Sequence[int]) -> dict[str, Any]:
+    """Runs side by side in normalised units with the first run as reference and the config diff
+    (``analysis.scaling.compare_runs``)."""
+    found = run_store.runs_by_ids(engine, run_ids)
+    return _compare_runs(run_ids, {r.id: (r, f) for r, f in with_figures(engine, list(found.values()))})
+
+
+def compare_view(engine: Engine, run_ids: list[int], *, max_points: int = 400) -> dict[str, Any]:
+    """Runs side by side for the Compare page: normalised metrics, config diff and step-time series
+    aligned by step (min/max reduced)."""
+    found = run_store.runs_by_ids(engine, run_ids)
+    ordered = [found[i] for i in run_ids if i in found]
+    figs = figures(engine, ordered)
+    metrics = {}
+    for r in ordered:
+        f = figs[r.id]
+        metrics[r.id] = {
+            "tokens_per_s": f.tokens_per_s,
+            "tokens_per_s_per_gpu": f.tokens_per_s_per_gpu,
+            "mfu": f.mfu,
+            "step_s": f.step_s,
+            "step_s_p95": f.step_s_p95,
+            # step time per 1k tokens processed by one GPU, in ms (analysis.figures.step_s_per_1k_tokens)
+            "step_ms_per_1k_tokens": f.step_s_per_1k_tokens * 1e3 if f.step_s_per_1k_tokens is not None else None,
+            "packing_efficiency": f.packing_efficiency,
+            "mem_peak_bytes": f.mem_peak_bytes,
+            "overlap_ratio": f.overlap_ratio,
+            **{k: f.get(k) for k, _ in COMPONENTS},
+        }
+    keys = sorted({k for r in ordered for k in (r.config or {})})
+    config_rows = []
+    for k in keys:
+        vals = [(r.config or {}).get(k) for r in ordered]
+        config_rows.append({"key": k, "values": vals, "differs": len({repr(v) for v in vals}) > 1})
+    series = {}
+    for r in ordered:
+        s = steps.load_steps(engine, r.id, ("step", "step_s"))
+        if len(s):
+            series[r.id] = minmax_series(s.steps, s["step_s"], max_points)
+    missing = [i for i in run_ids if i not in found]
+    return {"runs": [r.as_dict() for r in ordered], "metrics": metrics, "config": config_rows, "series": series,
+            "missing": missing}
+
+
+def scaling(engine: Engine, *, family: str, device_type: str | None = None, signature: str | None = None,
+            status: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Scaling curves of a family (``analysis.scaling.scaling``)."""
+    return _scaling(family, with_figures(engine, run_store.family_runs(engine, family)), device_type=device_type,
+                    signature=signature, status=status)
+
+
+_SCALING_VOLATILE = ("batch", "world", "seed", "nodes", "gpus", "name", "dp")
+
+
+def _config_label(device: str | None, config: dict[str, Any] | None) -> str:
+    cfg = {k: v for k, v in (config or {}).items() if not any(t in k.lower() for t in _SCALING_VOLATILE)}
+    items = ", ".join(f"{k}={cfg[k]}" for k in sorted(cfg))
+    label = f"{device or '?'}" + (f" · {items}" if items else "")
+    return label if len(label) <= 90 else label[:87] + "…"
+
+
+def scaling_view(engine: Engine, family: str) -> dict[str, Any]:
+    """The Scaling page: per configuration of a family, throughput (measured and ideal), efficiency,
+    and the seconds of each component of the median step, against world size."""
+    configs = []
+    for g in scaling(engine, family=family)["groups"]:
+        pts = []
+        for p in g["points"]:
+            step = p.get("step_s")
+            shares = p.get("shares") or {}
+            comp = {key: (shares[k] * step if shares.get(k) is not None and step else None) for k, key in SHARE_KEYS.items()}
+            pts.append({"world_size": p["world_size"], "runs": p["runs"], "run_names": p["run_names"],
+                        "tokens_per_s": p.get("throughput_tokens_per_s"),
+                        "ideal_tokens_per_s": p.get("ideal_throughput_tokens_per_s"),
+                        "efficiency": p.get("efficiency"), "step_s": step, "mfu": p.get("mfu"), **comp})
+        growth = g.get("growing_component")
+        if pts:
+            configs.append({"config": _config_label(g.get("device_type"), g.get("config")), "mode": g.get("mode") or "unknown",
+                            "points": pts, "growth": growth.get("explanation") if isinstance(growth, dict) else None})
+    return {"family": family, "configs": configs, "source": "analysis"}

@@ -1,0 +1,220 @@
+"""Reports about runs: the run list, one run, its figures and summary, bottlenecks, stragglers,
+collectives, goodput, events and traces — each loaded from the store and computed by the analysis."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Engine
+
+from ..analysis.bottlenecks import bottleneck_report, data_stall_ranks, summary_bottlenecks
+from ..analysis.collectives import collective_efficiency as _efficiency
+from ..analysis.collectives import collective_rows
+from ..analysis.figures import RunFigures, run_figures
+from ..analysis.goodput import goodput as _goodput
+from ..analysis.rollups import THRESHOLD
+from ..analysis.stragglers import (
+    FALLBACK_STEPS,
+    MIN_WINDOW_STEPS,
+    from_blocks,
+    from_rollups,
+    per_step_view,
+    straggler_report,
+    summary_stragglers,
+)
+from ..store import aggregates, collectives, events, ranks, steps, traces
+from ..store import runs as run_store
+from ..store.rows import RankRollups, RunRow
+from . import _cache
+
+__all__ = [
+    "get_run",
+    "list_runs",
+    "figures",
+    "with_figures",
+    "run_summary",
+    "bottlenecks",
+    "stragglers",
+    "collective_efficiency",
+    "run_collectives",
+    "goodput",
+    "run_events",
+    "run_traces",
+    "database_ok",
+]
+
+
+def get_run(engine: Engine, run_id: int) -> dict[str, Any] | None:
+    """One run as the API shows it (None when there is no such run)."""
+    run = run_store.get_run(engine, run_id)
+    return run.as_dict() if run is not None else None
+
+
+def list_runs(engine: Engine, *, name: str | None = None, family: str | None = None, status: str | None = None,
+              limit: int = 100) -> list[dict[str, Any]]:
+    """Runs, newest first, optionally filtered by exact name, family or status."""
+    return [r.as_dict() for r in run_store.list_runs(engine, name=name, family=family, status=status, limit=limit)]
+
+
+def figures(engine: Engine, runs: Sequence[RunRow]) -> dict[int, RunFigures]:
+    """The figures of these runs (``analysis.figures``): from this process's cache, else from the
+    ``run_stats`` table when computed at the same counters, else from one aggregate query over the
+    runs still missing (then stored in ``run_stats``)."""
+    out: dict[int, RunFigures] = {}
+    key = _cache.engine_key(engine)
+    todo: list[RunRow] = []
+    for r in runs:
+        hit, fig = _cache.get((key, r.id, "figures"), r.version)
+        if hit:
+            out[r.id] = fig
+        else:
+            todo.append(r)
+    if todo:
+        stored = aggregates.load_cached_figures(engine, [r.id for r in todo])
+        stale: list[RunRow] = []
+        for r in todo:
+            c = stored.get(r.id)
+            fig = RunFigures.from_json(c[2]) if c is not None and (c[0], c[1]) == (r.rank_steps, r.status) else None
+            if fig is None:
+                stale.append(r)
+            else:
+                out[r.id] = fig
+        if stale:
+            aggs = aggregates.load_aggregates(engine, [r.id for r in stale])
+            for r in stale:
+                out[r.id] = run_figures(r, aggs.get(r.id))
+            aggregates.save_figures(engine, {r.id: (r.rank_steps, r.status, out[r.id].to_json())
+                                             for r in stale if r.id in aggs})
+        for r in todo:
+            _cache.put((key, r.id, "figures"), r.version, out[r.id])
+    return out
+
+
+def with_figures(engine: Engine, runs: Sequence[RunRow]) -> list[tuple[RunRow, RunFigures]]:
+    """The runs, each with its figures."""
+    figs = figures(engine, runs)
+    return [(r, figs[r.id]) for r in runs]
+
+
+def _rank_inputs(engine: Engine, run: RunRow) -> tuple[RankRollups | None, dict[int, tuple[str | None, str | None]]]:
+    """The run's per-rank rollups and hosts (what stragglers and data stalls are computed from)."""
+    return _cache.cached("rank_inputs", engine, run, lambda: (
+        ranks.rank_rollups(engine, run.id, min_window_steps=MIN_WINDOW_STEPS), ranks.hosts(engine, run.id)))
+
+
+def _stragglers(engine: Engine, run: RunRow, fig: RunFigures, *, threshold: float = THRESHOLD, per_step: bool = False,
+                max_points: int = 1000) -> dict[str, Any]:
+    def compute() -> dict[str, Any]:
+        roll, hosts = _rank_inputs(engine, run)
+        data = from_rollups(roll) if roll is not None else from_blocks(
+            steps.recent_blocks(engine, run.id, FALLBACK_STEPS), run.world_size)
+        view = None
+        if per_step:
+            view = per_step_view(steps.load_steps(engine, run.id, ("step", "slowest_rank", "skew")), max_points)
+        return straggler_report(run.id, world_size=run.world_size, fig=fig, hosts=hosts, data=data,
+                                threshold=threshold, per_step=view)
+
+    return _cache.cached(("stragglers", threshold, per_step, max_points), engine, run, compute)
+
+
+def _efficiency_of(engine: Engine, run: RunRow) -> dict[str, Any]:
+    return _cache.cached("collective_efficiency", engine, run, lambda: _efficiency(
+        run, collectives.run_collectives(engine, run.id), ranks.gpus_per_node(engine, run.id)))
+
+
+def _bottlenecks(engine: Engine, run: RunRow, fig: RunFigures) -> dict[str, Any]:
+    def compute() -> dict[str, Any]:
+        roll, hosts = _rank_inputs(engine, run)
+        return bottleneck_report(run.id, fig,
+                                 efficiency_large_messages=_efficiency_of(engine, run)["efficiency_large_messages"],
+                                 stall_ranks=data_stall_ranks(roll, hosts), stragglers=_stragglers(engine, run, fig))
+
+    return _cache.cached("bottlenecks", engine, run, compute)
+
+
+def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
+    """The run summary of docs/api.md: counts, decomposition (median over steps of the cross-rank
+    median), MFU, throughput, step-time percentiles, stragglers and bottlenecks; None for no such run."""
+    run = run_store.get_run(engine, run_id)
+    if run is None:
+        return None
+    fig = figures(engine, [run])[run.id]
+    meta = run.meta or {}
+    d = run.as_dict()
+    return {
+        "run": d,
+        "rank_steps": d["rank_steps"],
+        "collective_records": d["collective_records"],
+        "steps": fig.steps,
+        "decomposition": fig.decomposition,
+        "comm_total_s": fig.comm_total_s,
+        "overlap_ratio": fig.overlap_ratio,
+        "step_s_p50": fig.step_s,
+        "step_s_p95": fig.step_s_p95,
+        "mfu": fig.mfu,
+        "mfu_estimated": meta.get("flops_source") == "estimated",
+        "flops_source": meta.get("flops_source"),
+        "tokens_per_s": fig.tokens_per_s,
+        "tokens_per_s_per_gpu": fig.tokens_per_s_per_gpu,
+        "packing_efficiency": fig.packing_efficiency,
+        "mem_peak_bytes": fig.mem_peak_bytes,
+        "alloc_retries": fig.alloc_retries,
+        "negative_residual_steps": fig.negative_residual_steps,
+        "stragglers": summary_stragglers(_stragglers(engine, run, fig)),
+        "bottlenecks": summary_bottlenecks(_bottlenecks(engine, run, fig)),
+    }
+
+
+def bottlenecks(engine: Engine, run_id: int) -> dict[str, Any] | None:
+    """The bottleneck report (components ranked by Amdahl ceiling, findings); None for no such run."""
+    run = run_store.get_run(engine, run_id)
+    if run is None:
+        return None
+    return _bottlenecks(engine, run, figures(engine, [run])[run.id])
+
+
+def stragglers(engine: Engine, run_id: int, *, threshold: float = THRESHOLD, per_step: bool = False,
+               max_points: int = 1000) -> dict[str, Any] | None:
+    """The straggler report (``analysis.stragglers``); ``per_step`` adds the slowest rank and skew of each
+    step (the worst step of each bucket beyond ``max_points``). None for no such run."""
+    run = run_store.get_run(engine, run_id)
+    if run is None:
+        return None
+    return _stragglers(engine, run, figures(engine, [run])[run.id], threshold=threshold, per_step=per_step,
+                       max_points=max_points)
+
+
+def collective_efficiency(engine: Engine, run_id: int) -> dict[str, Any] | None:
+    """busbw and efficiency against the declared link peaks (``analysis.collectives``); None for no such run."""
+    run = run_store.get_run(engine, run_id)
+    return _efficiency_of(engine, run) if run is not None else None
+
+
+def run_collectives(engine: Engine, run_id: int) -> list[dict[str, Any]]:
+    """The run's collectives by op × group × message size with algbw/busbw, most time first."""
+    return collective_rows(collectives.run_collectives(engine, run_id))
+
+
+def goodput(engine: Engine, run_id: int) -> dict[str, Any] | None:
+    """Goodput and badput by cause (``analysis.goodput``); None for no such run."""
+    times = run_store.run_times(engine, run_id)
+    if times is None:
+        return None
+    frame = steps.load_steps(engine, run_id, ("step", "ts", "step_s", "data_s"))
+    return _goodput(run_id, times[0], times[1], frame, events.job_events(engine, run_id))
+
+
+def run_events(engine: Engine, run_id: int, limit: int = 500) -> list[dict[str, Any]]:
+    """Run events (checkpoints, evals, restarts, ...) in time order."""
+    return events.run_events(engine, run_id, limit)
+
+
+def run_traces(engine: Engine, run_id: int) -> list[dict[str, Any]]:
+    """The run's trace summaries (imported and sampled), ranks ascending."""
+    return traces.run_traces(engine, run_id)
+
+
+def database_ok(engine: Engine) -> None:
+    """One round trip to the database; raises when it is unreachable."""
+    run_store.ping(engine)

@@ -1,0 +1,143 @@
+"""The ``alerts`` table: reads for the API and the pages, hand transitions, and the reconciliation of
+detections with stored alerts (one transaction; the lifecycle rules are ``server/alerts.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine, text
+
+__all__ = ["AlertWrite", "list_alerts", "get_alert", "set_state", "reconcile", "firing_counts", "alerts_with_runs"]
+
+_COLS = ("id, dedup_key, kind, metric, state, run_id, before, after, change, significance, first_bad, details, url, "
+         "created_at, updated_at, acknowledged_at, resolved_at")
+
+
+def _row(r: Any) -> dict[str, Any]:
+    d = dict(r._mapping)
+    for k in ("created_at", "updated_at", "acknowledged_at", "resolved_at"):
+        if d.get(k) is not None:
+            d[k] = d[k].isoformat()
+    return d
+
+
+@dataclass(frozen=True)
+class AlertWrite:
+    """A detection as stored: ``key`` = (kind, series, metric) names the active alert it updates;
+    ``first_bad_json``/``details_json`` are JSON texts (``details`` carries ``series``)."""
+
+    key: tuple[str, str, str]
+    dedup_key: str
+    run_id: int | None
+    before: float
+    after: float
+    change: float
+    significance: float | None
+    first_bad_json: str
+    details_json: str
+    url: str
+
+
+def list_alerts(engine: Engine, *, state: str | None = None, kind: str | None = None, run_id: int | None = None,
+                limit: int = 500) -> list[dict[str, Any]]:
+    """Alerts newest first, optionally by state, kind or run."""
+    where: list[str] = []
+    params: dict[str, Any] = {"limit": limit}
+    for col, v in (("state", state), ("kind", kind), ("run_id", run_id)):
+        if v is not None:
+            where.append(f"{col} = :{col}")
+            params[col] = v
+    sql = f"SELECT {_COLS} FROM alerts" + (f" WHERE {' AND '.join(where)}" if where else "")
+    sql += " ORDER BY created_at DESC, id DESC LIMIT :limit"
+    with engine.connect() as c:
+        return [_row(r) for r in c.execute(text(sql), params)]
+
+
+def get_alert(engine: Engine, alert_id: int) -> dict[str, Any] | None:
+    with engine.connect() as c:
+        r = c.execute(text(f"SELECT {_COLS} FROM alerts WHERE id = :id"), {"id": alert_id}).fetchone()
+    return _row(r) if r is not None else None
+
+
+def set_state(engine: Engine, alert_id: int, state: str, *, only_from: str) -> dict[str, Any] | None:
+    """Move an alert to ``state`` (stamping ``<state>_at``) when its state matches ``only_from``
+    (``firing`` or ``unresolved``); returns the alert as it is then, None when it does not exist."""
+    stamp = "acknowledged_at" if state == "acknowledged" else "resolved_at"
+    guard = " AND state = 'firing'" if only_from == "firing" else " AND state <> 'resolved'"
+    with engine.begin() as c:
+        c.execute(
+            text(f"UPDATE alerts SET state = :s, {stamp} = now(), updated_at = now() WHERE id = :id{guard}"),
+            {"s": state, "id": alert_id},
+        )
+        r = c.execute(text(f"SELECT {_COLS} FROM alerts WHERE id = :id"), {"id": alert_id}).fetchone()
+    return _row(r) if r is not None else None
+
+
+def reconcile(engine: Engine, writes: Iterable[AlertWrite], series: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
+    """In one transaction: update the active alert of each write's key, else insert it (a dedup key
+    already stored — e.g. resolved by hand — is not raised again); resolve the active alerts of
+    ``series`` that no write names. Returns ("fired" | "resolved", alert) for what changed state."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    by_key = {w.key: w for w in writes}
+    with engine.begin() as c:
+        active = c.execute(
+            text(f"SELECT {_COLS} FROM alerts WHERE state IN ('firing', 'acknowledged') AND details->>'series' = ANY(:s)"),
+            {"s": list(series)},
+        ).fetchall()
+        active_by = {(r.kind, r.details.get("series"), r.metric): r for r in active}
+        for key, w in by_key.items():
+            params = {"before": w.before, "after": w.after, "change": w.change, "sig": w.significance,
+                      "first_bad": w.first_bad_json, "details": w.details_json, "url": w.url, "run_id": w.run_id}
+            if key in active_by:
+                c.execute(
+                    text("UPDATE alerts SET before = :before, after = :after, change = :change, significance = :sig, "
+                         "first_bad = CAST(:first_bad AS jsonb), details = CAST(:details AS jsonb), url = :url, "
+                         "run_id = :run_id, updated_at = now() WHERE id = :id"),
+                    {**params, "id": active_by[key].id},
+                )
+                continue
+            r = c.execute(
+                text(f"INSERT INTO alerts (dedup_key, kind, metric, state, run_id, before, after, change, significance, "
+                     f"first_bad, details, url) VALUES (:dk, :kind, :metric, 'firing', :run_id, :before, :after, :change, "
+                     f":sig, CAST(:first_bad AS jsonb), CAST(:details AS jsonb), :url) ON CONFLICT (dedup_key) DO NOTHING "
+                     f"RETURNING {_COLS}"),
+                {**params, "dk": w.dedup_key, "kind": key[0], "metric": key[2]},
+            ).fetchone()
+            if r is not None:
+                events.append(("fired", _row(r)))
+        for key, r in active_by.items():
+            if key not in by_key:
+                row = c.execute(
+                    text(f"UPDATE alerts SET state = 'resolved', resolved_at = now(), updated_at = now() WHERE id = :id "
+                         f"AND state <> 'resolved' RETURNING {_COLS}"),
+                    {"id": r.id},
+                ).fetchone()
+                if row is not None:
+                    events.append(("resolved", _row(row)))
+    return events
+
+
+def firing_counts(engine: Engine, run_ids: Sequence[int]) -> dict[int, int]:
+    """{run id: firing alerts} for the runs that have any."""
+    with engine.connect() as c:
+        return {int(k): int(v) for k, v in c.execute(
+            text("SELECT run_id, count(*) FROM alerts WHERE state = 'firing' AND run_id = ANY(:ids) GROUP BY run_id"),
+            {"ids": list(run_ids)}).fetchall()}
+
+
+def alerts_with_runs(engine: Engine, *, state: str | None = None, limit: int = 500) -> list[dict[str, Any]]:
+    """Alerts newest first with their run's name and family (the Regressions page)."""
+    sql = (
+        "SELECT a.id, a.kind, a.metric, a.state, a.run_id, r.name AS run_name, r.model_family, a.before, a.after, "
+        "a.change, a.significance, a.first_bad, a.details, a.url, a.created_at, a.updated_at, a.resolved_at "
+        "FROM alerts a LEFT JOIN runs r ON r.id = a.run_id"
+    )
+    params: dict[str, Any] = {"n": limit}
+    if state:
+        sql += " WHERE a.state = :state"
+        params["state"] = state
+    sql += " ORDER BY a.created_at DESC, a.id DESC LIMIT :n"
+    with engine.connect() as c:
+        return [dict(r._mapping) for r in c.execute(text(sql), params)]

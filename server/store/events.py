@@ -1,0 +1,34 @@
+"""``run_events``: checkpoints, evaluations, restarts, agent drop counts … (JSONB payloads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Engine, text
+
+__all__ = ["run_events", "job_events"]
+
+
+def run_events(engine: Engine, run_id: int, limit: int = 500) -> list[dict[str, Any]]:
+    """The run's events (rank, seq, kind, ts, step, data) in time order."""
+    with engine.connect() as c:
+        rows = c.execute(
+            text("SELECT rank, seq, kind, ts, step, data FROM run_events WHERE run_id = :id ORDER BY ts NULLS LAST, rank, seq "
+                 "LIMIT :n"),
+            {"id": run_id, "n": limit},
+        ).fetchall()
+    return [dict(r._mapping) for r in rows]
+
+
+def job_events(engine: Engine, run_id: int) -> list[tuple[str, float | None, int | None, dict[str, Any] | None]]:
+    """(kind, ts, step, data) of the events of the lowest reporting rank (it speaks for the job), in time order."""
+    with engine.connect() as c:
+        rows = c.execute(
+            text(
+                "SELECT kind, ts, step, data FROM run_events WHERE run_id = :id AND rank = "
+                "(SELECT min(rank) FROM run_events WHERE run_id = :id) ORDER BY ts NULLS LAST, seq"
+            ),
+            {"id": run_id},
+        ).fetchall()
+    return [(k, t, s, d) for k, t, s, d in rows]
+

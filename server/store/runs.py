@@ -1,0 +1,349 @@
+"""The ``runs`` table: run rows (typed), run lists for the API and the pages, registration and finish.
+
+A run's counters (``rank_steps``, ``collective_records``, ``steps``, ``last_step``) are maintained
+by the compactor. The API also counts what landed but is not compacted yet (seconds old): those
+counts are loaded separately (``pending_*``) and added in :meth:`RunRow.as_dict`, so a cache keyed on
+the compacted counters (:attr:`RunRow.version`) is never fooled by data in flight.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Connection, Engine, text
+
+from ..codec import FRAG_COLL_FIELDS, FRAG_STEP_FIELDS, decode_block
+from .rows import RunRow
+
+__all__ = [
+    "RunRow",
+    "get_run",
+    "list_runs",
+    "fleet_runs",
+    "runs_by_ids",
+    "family_runs",
+    "comparable_runs",
+    "families",
+    "families_of",
+    "family_of",
+    "run_options",
+    "run_version",
+    "world_size",
+    "upsert_run",
+    "finish_run",
+    "runs_by_status",
+    "running_steps",
+    "run_times",
+    "ping",
+]
+
+_COLS = (
+    "id, name, model_family, config, config_signature, world_size, mp_size, device_type, device_count, peak_flops, "
+    "git_commit, status, meta, started_at, finished_at, last_seen_at, rank_steps, collective_records, steps, last_step"
+)
+
+
+def _iso(v: dt.datetime | None) -> str | None:
+    return v.isoformat() if v is not None else None
+
+
+def _row(r: Any) -> RunRow:
+    m = r._mapping
+    return RunRow(
+        id=int(m["id"]), name=m["name"], model_family=m["model_family"], config=m["config"],
+        config_signature=m["config_signature"], world_size=int(m["world_size"]), mp_size=int(m["mp_size"]),
+        device_type=m["device_type"], device_count=m["device_count"], peak_flops=m["peak_flops"],
+        git_commit=m["git_commit"], status=m["status"], meta=m["meta"], started_at=_iso(m["started_at"]),
+        finished_at=_iso(m["finished_at"]), last_seen_at=_iso(m["last_seen_at"]), rank_steps=int(m["rank_steps"]),
+        collective_records=int(m["collective_records"]), steps=int(m["steps"]), last_step=m["last_step"],
+    )  # fmt: skip
+
+
+def _select(c: Connection, where: str, params: dict[str, Any], order: str, limit: int) -> list[RunRow]:
+    sql = f"SELECT {_COLS} FROM runs {where} ORDER BY {order} LIMIT :limit"
+    return [_row(r) for r in c.execute(text(sql), {**params, "limit": limit})]
+
+
+def _pending_counts(c: Connection, run_ids: list[int]) -> dict[int, tuple[int, int]]:
+    """(rank_steps, collectives) landed but not compacted yet, deduplicated, excluding copies already
+    in a step block. A collective of a step whose block already holds that rank's collectives is
+    taken as a copy (a retry); a genuinely late one is counted once the compactor (≤ 1 s) merges it."""
+    out: dict[int, tuple[int, int]] = {}
+    if not run_ids:
+        return out
+    frags = c.execute(
+        text("SELECT run_id, rank_steps, collectives FROM ingest_fragments WHERE run_id = ANY(:ids)"), {"ids": run_ids}
+    ).fetchall()
+    by_run: dict[int, list[Any]] = {}
+    for f in frags:
+        by_run.setdefault(f[0], []).append(f)
+    for run_id, fs in by_run.items():
+        s_keys, c_keys = [], []
+        for _, rs, cs in fs:
+            if rs is not None:
+                d = decode_block(FRAG_STEP_FIELDS, rs)
+                s_keys.append(d["step"] * (1 << 24) + d["rank"])
+            if cs is not None:
+                d = decode_block(FRAG_COLL_FIELDS, cs)
+                c_keys.append(np.stack([d["step"], d["rank"], d["seq"]], axis=1))
+        sk = np.unique(np.concatenate(s_keys)) if s_keys else np.empty(0, dtype=np.int64)
+        ck = np.unique(np.concatenate(c_keys), axis=0) if c_keys else np.empty((0, 3), dtype=np.int64)
+        steps = np.union1d(sk >> 24, ck[:, 0])
+        present: dict[int, tuple[str, int]] = {}
+        if len(steps):
+            for step, bits, n_coll in c.execute(
+                text("SELECT step, ranks::text, coll_records FROM steps WHERE run_id = :r AND step = ANY(:s)"),
+                {"r": run_id, "s": steps.tolist()},
+            ):
+                present[step] = (bits, n_coll)
+
+        def _in_block(step: int, rank: int, need_coll: bool, present: dict[int, tuple[str, int]] = present) -> bool:
+            p = present.get(step)
+            if p is None or (need_coll and p[1] == 0):
+                return False
+            return rank < len(p[0]) and p[0][rank] == "1"
+
+        n_s = sum(1 for k in sk.tolist() if not _in_block(k >> 24, k & 0xFFFFFF, False))
+        n_c = sum(1 for st, rk, _ in ck.tolist() if not _in_block(st, rk, True))
+        out[run_id] = (n_s, n_c)
+    return out
+
+
+def _with_pending(c: Connection, runs: list[RunRow], only_running: bool) -> list[RunRow]:
+    ids = [r.id for r in runs if r.status == "running" or not only_running]
+    pending = _pending_counts(c, ids)
+    return [replace(r, pending_rank_steps=pending[r.id][0], pending_collectives=pending[r.id][1])
+            if r.id in pending else r for r in runs]
+
+
+def get_run(engine: Engine, run_id: int, *, pending: bool = True) -> RunRow | None:
+    """One run, with its not-yet-compacted counts unless ``pending=False``; None when there is no such run."""
+    with engine.connect() as c:
+        rows = _select(c, "WHERE id = :id", {"id": run_id}, "id", 1)
+        if not rows:
+            return None
+        return _with_pending(c, rows, only_running=False)[0] if pending else rows[0]
+
+
+def list_runs(engine: Engine, *, name: str | None = None, family: str | None = None, status: str | None = None,
+              limit: int = 100) -> list[RunRow]:
+    """Runs, newest first, optionally by exact name, family or status (running runs with pending counts)."""
+    where, params = [], {}
+    for col, key, v in (("name", "name", name), ("model_family", "family", family), ("status", "status", status)):
+        if v:
+            where.append(f"{col} = :{key}")
+            params[key] = v
+    with engine.connect() as c:
+        rows = _select(c, ("WHERE " + " AND ".join(where)) if where else "", params, "started_at DESC, id DESC",
+                       max(1, min(limit, 10_000)))
+        return _with_pending(c, rows, only_running=True)
+
+
+def fleet_runs(engine: Engine, *, family: str | None = None, status: str | None = None, q: str | None = None,
+               limit: int = 2000) -> list[RunRow]:
+    """Runs for the fleet table: running ones first, then the newest; ``q`` matches the name (ILIKE)."""
+    where, params = [], {}
+    if family:
+        where.append("model_family = :family")
+        params["family"] = family
+    if status:
+        where.append("status = :status")
+        params["status"] = status
+    if q:
+        where.append("name ILIKE :q")
+        params["q"] = f"%{q}%"
+    with engine.connect() as c:
+        return _select(c, ("WHERE " + " AND ".join(where)) if where else "", params,
+                       "(status = 'running') DESC, started_at DESC, id DESC", limit)
+
+
+def runs_by_ids(engine: Engine, run_ids: Sequence[int]) -> dict[int, RunRow]:
+    """The runs with these ids that exist, by id."""
+    with engine.connect() as c:
+        rows = _select(c, "WHERE id = ANY(:ids)", {"ids": [int(i) for i in run_ids]}, "id", max(len(run_ids), 1))
+    return {r.id: r for r in rows}
+
+
+def family_runs(engine: Engine, family: str, *, limit: int = 100_000) -> list[RunRow]:
+    """The runs of one model family, newest first."""
+    with engine.connect() as c:
+        return _select(c, "WHERE model_family = :f", {"f": family}, "started_at DESC, id DESC", limit)
+
+
+def comparable_runs(engine: Engine, family: str | None, world_size: int, device_type: str | None, *,
+                    limit: int = 1000) -> list[RunRow]:
+    """Runs of the same family, world size and device type (nulls match nulls), newest first."""
+    with engine.connect() as c:
+        return _select(
+            c, "WHERE model_family IS NOT DISTINCT FROM :f AND world_size = :w AND device_type IS NOT DISTINCT FROM :d",
+            {"f": family, "w": world_size, "d": device_type}, "started_at DESC, id DESC", limit)
+
+
+def families(engine: Engine) -> list[str]:
+    """Model families with at least one run, sorted."""
+    with engine.connect() as c:
+        return [r[0] for r in c.execute(text("SELECT DISTINCT model_family FROM runs WHERE model_family IS NOT NULL ORDER BY 1"))]
+
+
+def families_of(engine: Engine, run_ids: Sequence[int]) -> list[str]:
+    """The model families of these runs."""
+    with engine.connect() as c:
+        return [r[0] for r in c.execute(
+            text("SELECT DISTINCT model_family FROM runs WHERE id = ANY(:ids) AND model_family IS NOT NULL"),
+            {"ids": list(run_ids)})]
+
+
+def family_of(engine: Engine, run_id: int) -> tuple[bool, str | None]:
+    """(the run exists, its model family)."""
+    with engine.connect() as c:
+        row = c.execute(text("SELECT model_family FROM runs WHERE id = :id"), {"id": run_id}).fetchone()
+    return (row is not None, row[0] if row is not None else None)
+
+
+def run_options(engine: Engine, limit: int = 1000) -> list[dict[str, Any]]:
+    """(id, name, model_family, world_size) of recent runs, for pickers."""
+    with engine.connect() as c:
+        rows = c.execute(
+            text("SELECT id, name, model_family, world_size FROM runs ORDER BY started_at DESC, id DESC LIMIT :n"),
+            {"n": limit},
+        ).fetchall()
+    return [dict(r._mapping) for r in rows]
+
+
+def run_version(engine: Engine, run_id: int) -> tuple[Any, ...] | None:
+    """:attr:`RunRow.version` of one run by its primary key (the cheapest freshness check)."""
+    with engine.connect() as c:
+        row = c.execute(
+            text("SELECT rank_steps, collective_records, steps, last_step, status FROM runs WHERE id = :id"), {"id": run_id}
+        ).fetchone()
+    return tuple(row) if row is not None else None
+
+
+def world_size(engine: Engine, run_id: int) -> int | None:
+    """The run's declared world size (ingest validates ranks against it); None for an unknown run."""
+    with engine.connect() as c:
+        row = c.exec_driver_sql("SELECT world_size FROM runs WHERE id = %(id)s", {"id": run_id}).fetchone()
+    return None if row is None else int(row[0])
+
+
+def running_steps(engine: Engine, run_ids: Sequence[int]) -> dict[int, tuple[str, int]]:
+    """{run id: (status, compacted steps)} of these runs (the alert worker's throttle)."""
+    with engine.connect() as c:
+        return {r[0]: (r[1], int(r[2] or 0)) for r in c.execute(
+            text("SELECT id, status, steps FROM runs WHERE id = ANY(:ids)"), {"ids": list(run_ids)})}
+
+
+def run_times(engine: Engine, run_id: int) -> tuple[float, float | None] | None:
+    """(started_at, finished_at) of the run as unix times; None for an unknown run."""
+    with engine.connect() as c:
+        row = c.execute(
+            text("SELECT extract(epoch FROM started_at), extract(epoch FROM finished_at) FROM runs WHERE id = :id"),
+            {"id": run_id},
+        ).fetchone()
+    if row is None:
+        return None
+    return float(row[0]), (float(row[1]) if row[1] is not None else None)
+
+
+def runs_by_status(engine: Engine) -> list[tuple[str, int, int]]:
+    """(status, runs, Σ world size) per status (Prometheus gauges)."""
+    with engine.connect() as c:
+        rows = c.execute(text("SELECT status, count(*), coalesce(sum(world_size), 0) FROM runs GROUP BY status")).fetchall()
+    return [(r[0], int(r[1]), int(r[2])) for r in rows]
+
+
+def ping(engine: Engine) -> None:
+    """One round trip to the database (raises when it is unreachable)."""
+    with engine.connect() as c:
+        c.execute(text("SELECT 1"))
+
+
+# ---------------------------------------------------------------------------------------------- writes
+
+_INSERT = """
+INSERT INTO runs (name, model_family, config, config_signature, world_size, mp_size, device_type,
+                  device_count, peak_flops, git_commit, meta, started_at, status, last_seen_at, owner_token_id)
+VALUES (:name, :family, CAST(:config AS jsonb), :sig, :ws, :mp, :dt, :dc, :peak, :git,
+        CAST(:meta AS jsonb), coalesce(to_timestamp(:started), now()), 'running', now(), :owner)
+ON CONFLICT (name) DO NOTHING
+RETURNING id, name, world_size
+"""
+
+#: another rank of the same job (same token, an admin, or a run from before owners) joins the run:
+#: missing fields are filled in, the world size may grow, meta merges, the run is running again
+_JOIN = """
+UPDATE runs SET
+    model_family = coalesce(runs.model_family, :family),
+    config = CASE WHEN runs.config = '{}'::jsonb THEN CAST(:config AS jsonb) ELSE runs.config END,
+    config_signature = CASE WHEN runs.config = '{}'::jsonb THEN :sig ELSE runs.config_signature END,
+    world_size = greatest(runs.world_size, :ws),
+    device_type = coalesce(runs.device_type, :dt),
+    device_count = coalesce(runs.device_count, :dc),
+    peak_flops = coalesce(runs.peak_flops, :peak),
+    git_commit = coalesce(runs.git_commit, :git),
+    meta = CAST(:meta AS jsonb) || runs.meta,
+    status = 'running',
+    finished_at = NULL,
+    last_seen_at = now()
+WHERE name = :name AND (runs.owner_token_id IS NULL OR runs.owner_token_id = :owner OR :admin)
+RETURNING id, name, world_size
+"""
+
+
+def upsert_run(engine: Engine, *, name: str, family: str | None, config_json: str, signature: str, world_size: int,
+               mp_size: int, device_type: str | None, device_count: int | None, peak_flops: float | None,
+               git_commit: str | None, meta_json: str, started_at: float | None, owner_token_id: int | None = None,
+               admin: bool = True) -> dict[str, Any]:
+    """Create the run, or join the one of that name. Only its owner (the token that created it) or an
+    admin changes an existing run; any other token gets its id and changes nothing."""
+    params = {"name": name, "family": family, "config": config_json, "sig": signature, "ws": world_size,
+              "mp": mp_size, "dt": device_type, "dc": device_count, "peak": peak_flops, "git": git_commit,
+              "meta": meta_json, "started": started_at, "owner": owner_token_id, "admin": admin}
+    with engine.begin() as c:
+        row = c.execute(text(_INSERT), params).one_or_none()
+        if row is not None:
+            return {"id": row.id, "name": row.name, "world_size": row.world_size, "created": True}
+        row = c.execute(text(_JOIN), params).one_or_none()
+        if row is None:  # someone else's run: its id, untouched
+            row = c.execute(text("SELECT id, name, world_size FROM runs WHERE name = :name"), params).one()
+    return {"id": row.id, "name": row.name, "world_size": row.world_size, "created": False}
+
+
+def owner_of(engine: Engine, run_id: int) -> tuple[bool, int | None]:
+    """(the run exists, its owner token id)."""
+    with engine.connect() as c:
+        row = c.execute(text("SELECT owner_token_id FROM runs WHERE id = :id"), {"id": run_id}).fetchone()
+    return (row is not None, None if row is None else row[0])
+
+
+#: every table that holds rows of a run, children first (runs last)
+_RUN_TABLES = ("ingest_fragments", "modality_raw", "steps", "run_collectives", "run_modalities", "run_events",
+               "trace_summaries", "rank_rollups", "rank_windows", "run_stats", "alerts", "ranks")
+
+
+def delete_run(engine: Engine, run_id: int) -> dict[str, int] | None:
+    """Remove a run and everything that hangs off it in one transaction; rows deleted per table, or None
+    when there is no such run."""
+    out: dict[str, int] = {}
+    with engine.begin() as c:
+        if c.execute(text("SELECT 1 FROM runs WHERE id = :id FOR UPDATE"), {"id": run_id}).fetchone() is None:
+            return None
+        for t in _RUN_TABLES:
+            out[t] = int(c.execute(text(f"DELETE FROM {t} WHERE run_id = :id"), {"id": run_id}).rowcount or 0)
+        out["runs"] = int(c.execute(text("DELETE FROM runs WHERE id = :id"), {"id": run_id}).rowcount or 0)
+    return out
+
+
+def finish_run(engine: Engine, run_id: int, status: str, finished_at: float | None) -> bool:
+    """Set the run's final status and end time (``finished_at`` unix time, else now); False if no such run."""
+    with engine.begin() as c:
+        r = c.execute(
+            text("UPDATE runs SET status = :s, finished_at = coalesce(to_timestamp(CAST(:at AS float8)), now()) "
+                 "WHERE id = :id"),
+            {"s": status, "id": run_id, "at": finished_at},
+        )
+    return r.rowcount > 0

@@ -168,7 +168,7 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
 
 def bottlenecks(engine: Engine, run_id: int) -> dict[str, Any] | None:
     """The bottleneck report (components ranked by Amdahl ceiling, findings); None for no such run."""
-    run = run_store.get_run(engine, run_id)
+    run = run_store.get_run(engine, run_id, pending=False)  # landed-but-uncompacted counts unused
     if run is None:
         return None
     return _bottlenecks(engine, run, figures(engine, [run])[run.id])
@@ -178,7 +178,7 @@ def stragglers(engine: Engine, run_id: int, *, threshold: float = THRESHOLD, per
                max_points: int = 1000) -> dict[str, Any] | None:
     """The straggler report (``analysis.stragglers``); ``per_step`` adds the slowest rank and skew of each
     step (the worst step of each bucket beyond ``max_points``). None for no such run."""
-    run = run_store.get_run(engine, run_id)
+    run = run_store.get_run(engine, run_id, pending=False)  # landed-but-uncompacted counts unused
     if run is None:
         return None
     return _stragglers(engine, run, figures(engine, [run])[run.id], threshold=threshold, per_step=per_step,
@@ -187,7 +187,7 @@ def stragglers(engine: Engine, run_id: int, *, threshold: float = THRESHOLD, per
 
 def collective_efficiency(engine: Engine, run_id: int) -> dict[str, Any] | None:
     """busbw and efficiency against the declared link peaks (``analysis.collectives``); None for no such run."""
-    run = run_store.get_run(engine, run_id)
+    run = run_store.get_run(engine, run_id, pending=False)  # landed-but-uncompacted counts unused
     return _efficiency_of(engine, run) if run is not None else None
 
 

@@ -101,16 +101,29 @@ def _pending_counts(c: Connection, run_ids: list[int]) -> dict[int, tuple[int, i
             ):
                 present[step] = (bits, n_coll)
 
-        def _in_block(step: int, rank: int, need_coll: bool, present: dict[int, tuple[str, int]] = present) -> bool:
-            p = present.get(step)
-            if p is None or (need_coll and p[1] == 0):
-                return False
-            return rank < len(p[0]) and p[0][rank] == "1"
-
-        n_s = sum(1 for k in sk.tolist() if not _in_block(k >> 24, k & 0xFFFFFF, False))
-        n_c = sum(1 for st, rk, _ in ck.tolist() if not _in_block(st, rk, True))
+        n_s = _absent(sk >> 24, sk & 0xFFFFFF, present, need_coll=False)
+        n_c = _absent(ck[:, 0], ck[:, 1], present, need_coll=True)
         out[run_id] = (n_s, n_c)
     return out
+
+
+def _absent(steps: np.ndarray, ranks: np.ndarray, present: dict[int, tuple[str, int]], *, need_coll: bool) -> int:
+    """How many (step, rank) keys, sorted by step, are not in their step's block yet (vectorised per step)."""
+    n = int(steps.size)
+    if not n:
+        return 0
+    uniq, starts = np.unique(steps, return_index=True)
+    ends = np.append(starts[1:], n)
+    absent = n
+    for step, lo, hi in zip(uniq.tolist(), starts.tolist(), ends.tolist(), strict=True):
+        p = present.get(step)
+        if p is None or (need_coll and p[1] == 0):
+            continue
+        bits = np.frombuffer(p[0].encode("ascii"), dtype=np.uint8) == ord("1")
+        r = ranks[lo:hi]
+        inside = r < bits.size
+        absent -= int(bits[r[inside]].sum())
+    return absent
 
 
 def _with_pending(c: Connection, runs: list[RunRow], only_running: bool) -> list[RunRow]:

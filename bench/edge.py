@@ -18,6 +18,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -80,7 +81,7 @@ def _bomb() -> bytes:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fleetscope", default=shutil.which("fleetscope") or "fleetscope")
+    ap.add_argument("--fleetscope", default=shutil.which("fleetscope") or str(Path(sys.executable).parent / "fleetscope"))
     ap.add_argument("--bodies", type=int, default=12, help="unauthenticated 100 MB bodies (4 at a time)")
     ap.add_argument("--bombs", type=int, default=12, help="gzip-bomb batches with a valid token (4 at a time)")
     ap.add_argument("--seconds", type=float, default=20.0, help="upper bound on each phase")

@@ -128,6 +128,12 @@ def encode_frame(payload: dict[str, Any], records: int) -> bytes:
     return _HEADER.pack(MAGIC, len(blob), records, crc) + blob
 
 
+#: a frame holds one batch (a few MiB decoded); a frame that decodes past this is not the agent's
+MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
+#: segments are capped by ``spool_segment_max_bytes`` (8 MiB by default); reading refuses files past this
+MAX_SEGMENT_FILE_BYTES = 1024 * 1024 * 1024
+
+
 @dataclass
 class Frame:
     """One intact frame of a segment; ``payload()`` decodes it."""
@@ -141,7 +147,11 @@ class Frame:
         import msgpack
 
         try:
-            obj = msgpack.unpackb(zlib.decompress(self.blob), raw=False, strict_map_key=False)
+            d = zlib.decompressobj()
+            raw = d.decompress(self.blob, MAX_PAYLOAD_BYTES + 1)
+            if len(raw) > MAX_PAYLOAD_BYTES or d.unconsumed_tail:
+                raise ValueError(f"decompresses past {MAX_PAYLOAD_BYTES} bytes (not a frame this agent wrote)")
+            obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)
         except Exception as e:  # zlib.error, msgpack's exceptions: all mean "not a frame of ours"
             raise ValueError(f"undecodable payload: {type(e).__name__}: {e}") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("run_info"), dict):
@@ -194,6 +204,10 @@ def read_segment(path: str | os.PathLike[str]) -> Segment:
     """Read every intact frame of a segment file in order; corrupt or torn frames are listed, never raised."""
     p = Path(path)
     seg = Segment(p)
+    size = p.stat().st_size
+    if size > MAX_SEGMENT_FILE_BYTES:  # the agent's own segments are capped far below this
+        seg.corrupt.append((0, f"segment file of {size} bytes is larger than any the agent writes; not read"))
+        return seg
     data = p.read_bytes()
     for item in _iter_frames(data):
         if isinstance(item, Frame):

@@ -241,3 +241,21 @@ def test_upload_takes_open_segments_of_dead_processes(tmp_path, receiver):
 def test_upload_of_a_missing_directory_names_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
         upload(tmp_path / "nope", "http://127.0.0.1:9", None)
+
+
+def test_a_frame_that_decompresses_past_the_bound_is_refused_not_expanded(tmp_path):
+    import zlib
+
+    from fleetscope.agent import spool as sp
+
+    bomb = zlib.compress(b"\0" * (sp.MAX_PAYLOAD_BYTES + 1024), 9)  # ~256 KB on disk
+    lr = sp._LEN_REC.pack(len(bomb), 1)
+    crc = zlib.crc32(bomb, zlib.crc32(lr))
+    path = tmp_path / "bomb.seg"
+    path.write_bytes(sp._HEADER.pack(sp.MAGIC, len(bomb), 1, crc) + bomb)
+    seg = sp.read_segment(path)
+    assert len(seg.frames) == 1  # intact (checksummed) ...
+    import pytest
+
+    with pytest.raises(ValueError, match="decompresses past"):
+        seg.frames[0].payload()  # ... but never expanded past the bound

@@ -6,9 +6,11 @@ their own 4xx naming the field."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["UnsafeValue", "check_json", "check_text", "MAX_DEPTH", "MAX_ITEMS", "MAX_INT"]
+_T = TypeVar("_T")
+
+__all__ = ["UnsafeValue", "check_json", "check_text", "valid_text", "valid_json", "MAX_DEPTH", "MAX_ITEMS", "MAX_INT"]
 
 MAX_DEPTH = 16
 MAX_ITEMS = 10_000
@@ -76,3 +78,22 @@ def check_json(v: Any, where: str, *, max_depth: int = MAX_DEPTH, max_items: int
             raise UnsafeValue(path, f"must be JSON, got {type(x).__name__}")
 
     walk(v, where, 0)
+
+
+def valid_text(v: str | None, *, max_len: int = 256) -> str | None:
+    """``check_text`` for a pydantic validator: None passes, a bad string raises ValueError (a 422)."""
+    if v is not None:
+        try:
+            check_text(v, "value", max_len=max_len)
+        except UnsafeValue as e:
+            raise ValueError(e.message) from None
+    return v
+
+
+def valid_json(v: _T, *, max_depth: int = MAX_DEPTH) -> _T:
+    """``check_json`` for a pydantic validator: raises ValueError naming the path inside the value."""
+    try:
+        check_json(v, "value", max_depth=max_depth)
+    except UnsafeValue as e:
+        raise ValueError(f"{e.where.replace('value', '', 1).lstrip('.') or 'it'}: {e.message}") from None
+    return v

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import Engine
 
-from .jsonsafe import MAX_DEPTH, UnsafeValue, check_json, check_text
+from .jsonsafe import MAX_DEPTH, valid_json, valid_text
 from .store import runs as run_store
 
 __all__ = ["RunRegistration", "register_run", "finish_run", "delete_run", "NotOwner", "config_signature",
@@ -51,21 +51,12 @@ class RunRegistration(BaseModel):
     @field_validator("name", "model_family", "device_type", "git_commit")
     @classmethod
     def _text(cls, v: str | None) -> str | None:
-        if v is not None:
-            try:
-                check_text(v, "value", max_len=256)
-            except UnsafeValue as e:
-                raise ValueError(e.message) from None
-        return v
+        return valid_text(v)
 
     @field_validator("config", "meta")
     @classmethod
     def _json(cls, v: dict[str, Any]) -> dict[str, Any]:
-        try:
-            check_json(v, "value")
-        except UnsafeValue as e:
-            raise ValueError(f"{e.where.replace('value', '', 1).lstrip('.') or 'it'}: {e.message}") from None
-        return v
+        return valid_json(v)
 
 
 class RunFinish(BaseModel):

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .. import reports
 from ..deps import IngestAuth, State
-from ..jsonsafe import UnsafeValue, check_json, check_text
+from ..jsonsafe import valid_json, valid_text
 from ..store import benchmarks as store
 
 router = APIRouter(tags=["benchmarks"])
@@ -39,16 +39,12 @@ class BenchmarkPointIn(BaseModel):
     @field_validator("name", "unit", "git_commit")
     @classmethod
     def _text(cls, v: str | None) -> str | None:
-        return _valid_text(v)
+        return valid_text(v)
 
     @field_validator("params")
     @classmethod
     def _json_params(cls, v: dict[str, Any]) -> dict[str, Any]:
-        try:
-            check_json(v, "params", max_depth=8)
-        except UnsafeValue as e:
-            raise ValueError(f"{e.where}: {e.message}") from None
-        return v
+        return valid_json(v, max_depth=8)
 
 
 class BenchmarkBatch(BaseModel):
@@ -60,16 +56,8 @@ class BenchmarkBatch(BaseModel):
     @field_validator("cluster")
     @classmethod
     def _text(cls, v: str) -> str:
-        return _valid_text(v)  # type: ignore[return-value]
-
-
-def _valid_text(v: str | None) -> str | None:
-    if v is not None:
-        try:
-            check_text(v, "value", max_len=256)
-        except UnsafeValue as e:
-            raise ValueError(e.message) from None
-    return v
+        valid_text(v)
+        return v
 
 
 @router.post("/benchmarks", dependencies=[IngestAuth], summary="Record benchmark points (series keyed by name, cluster, params)")

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .. import reports
 from ..deps import IngestAuth, State
-from ..jsonsafe import UnsafeValue, check_json, check_text
+from ..jsonsafe import UnsafeValue, check_json, valid_text
 from ..store.traces import SET_RANK, save_traces
 
 router = APIRouter(tags=["traces"])
@@ -41,12 +41,7 @@ class TraceUpload(BaseModel):
     @field_validator("source")
     @classmethod
     def _text(cls, v: str | None) -> str | None:
-        if v is not None:
-            try:
-                check_text(v, "source", max_len=512)
-            except UnsafeValue as e:
-                raise ValueError(e.message) from None
-        return v
+        return valid_text(v, max_len=512)
 
 
 class TracesStored(BaseModel):

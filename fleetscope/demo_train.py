@@ -16,7 +16,10 @@ import math
 import os
 import random
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported lazily: this module must import without it
+    from torch import Tensor, nn
 
 __all__ = ["TinyTransformer", "analytic_flops", "main"]
 
@@ -27,9 +30,9 @@ def _torch() -> Any:
     return torch
 
 
-def build_model(vocab: int, dim: int, layers: int, heads: int) -> Any:
-    torch = _torch()
-    nn = torch.nn
+def build_model(vocab: int, dim: int, layers: int, heads: int) -> nn.Module:
+    import torch
+    from torch import nn
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -41,7 +44,7 @@ def build_model(vocab: int, dim: int, layers: int, heads: int) -> Any:
             self.up = nn.Linear(dim, 4 * dim)
             self.down = nn.Linear(4 * dim, dim)
 
-        def forward(self, x: Any, mask: Any) -> Any:
+        def forward(self, x: Tensor, mask: Tensor) -> Tensor:
             b, s, d = x.shape
             h = heads
             q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, h, d // h).permute(2, 0, 3, 1, 4)
@@ -57,7 +60,7 @@ def build_model(vocab: int, dim: int, layers: int, heads: int) -> Any:
             self.blocks = nn.ModuleList(Block() for _ in range(layers))
             self.head = nn.Linear(dim, vocab)
 
-        def forward(self, tokens: Any, pad_mask: Any) -> Any:
+        def forward(self, tokens: Tensor, pad_mask: Tensor) -> Tensor:
             x = self.emb(tokens)
             mask = torch.zeros(tokens.shape[0], 1, 1, tokens.shape[1])
             mask = mask.masked_fill(~pad_mask[:, None, None, :], -1e9)

@@ -10,9 +10,12 @@ import struct
 import threading
 import zlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import zstandard
 
 __all__ = [
     "CopyLayout",
@@ -145,8 +148,8 @@ _ZLIB, _ZSTD, _RAW = 1, 2, 3  # block format versions (the first byte)
 _zstd_c = threading.local()
 
 
-def _compressor() -> Any:
-    c = getattr(_zstd_c, "c", None)
+def _compressor() -> zstandard.ZstdCompressor:
+    c: zstandard.ZstdCompressor | None = getattr(_zstd_c, "c", None)
     if c is None:
         import zstandard
 
@@ -172,6 +175,7 @@ def encode_block(fields: Sequence[tuple[str, str]], cols: dict[str, np.ndarray],
 def decode_block(fields: Sequence[tuple[str, str]], blob: bytes) -> dict[str, np.ndarray]:
     """Inverse of :func:`encode_block`; floats come back as float64, ints as int64."""
     version, n = struct.unpack_from("<BI", blob)
+    raw: bytes | memoryview
     if version == _ZSTD:
         import zstandard
 

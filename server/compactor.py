@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from sqlalchemy import Engine
@@ -104,10 +104,18 @@ def _grouped_max(values: np.ndarray, gid: np.ndarray, n: int) -> np.ndarray:
     return np.where(np.isinf(out), np.nan, out)
 
 
+class Fold(Protocol):
+    """An extra rollup folded in the compaction transaction (see ``Compactor.folds``)."""
+
+    def __call__(self, sink: store.RollupWriter, *, S: dict[str, np.ndarray], C: dict[str, np.ndarray],
+                 gid: np.ndarray, cgid: np.ndarray, gkeys: np.ndarray) -> None: ...
+
+
 class Compactor:
     """Runs compaction passes, on a background thread or on demand (``run_once``)."""
 
-    def __init__(self, engine: Engine, *, grace_s: float = 10.0, on_pass: Any = None) -> None:
+    def __init__(self, engine: Engine, *, grace_s: float = 10.0,
+                 on_pass: Callable[[CompactionResult], None] | None = None) -> None:
         self.engine = engine
         self.grace_s = grace_s
         self.on_pass = on_pass
@@ -115,7 +123,7 @@ class Compactor:
         #: ``store.compaction.RollupWriter`` on the compaction's cursor, S/C are
         #: the deduplicated rank-step/collective columns of the touched steps (S["is_old"] marks rows that
         #: were already compacted), gid/cgid their group index into gkeys = run_id << 32 | step.
-        self.folds: list[Any] = []
+        self.folds: list[Fold] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -157,7 +165,8 @@ class Compactor:
             if not store.try_lock(cur):
                 return res
             frags = store.read_fragments(cur, _MAX_FRAGMENTS)
-            taken, total = [], 0
+            taken: list[tuple[Any, ...]] = []
+            total = 0
             for f in frags:
                 if taken and total + f[4] > _MAX_RECORDS:
                     res.more = True
@@ -171,7 +180,7 @@ class Compactor:
             res.backlog_rows = store.backlog_rows(cur)
         return res
 
-    def _compact_fragments(self, cur: Any, frags: list, force: bool, res: CompactionResult) -> np.ndarray:
+    def _compact_fragments(self, cur: Any, frags: list[tuple[Any, ...]], force: bool, res: CompactionResult) -> np.ndarray:
         """Fold the ready steps of ``frags``; rewrite the rest. Returns the folded group keys."""
         S = _decode_frags(frags, 5, FRAG_STEP_FIELDS)
         C = _decode_frags(frags, 6, FRAG_COLL_FIELDS)
@@ -237,7 +246,8 @@ class Compactor:
         if mods:
             self._fold_modalities(cur, mods)
 
-    def _fold(self, cur: Any, new_s: dict[str, np.ndarray], new_c: dict[str, np.ndarray], existing: list,
+    def _fold(self, cur: Any, new_s: dict[str, np.ndarray], new_c: dict[str, np.ndarray],
+              existing: list[tuple[int, int, bytes, bytes | None]],
               res: CompactionResult) -> None:
         # --- existing blocks first (they win over re-sent copies), then the new rows
         names = [n for n, _ in STEP_BLOCK_FIELDS]
@@ -252,13 +262,13 @@ class Compactor:
             for n in names:
                 cols[n].append(d[n])
             if coll_block is not None:
-                c = decode_block(COLL_BLOCK_FIELDS, coll_block)
-                k = len(c["rank"])
+                cdec = decode_block(COLL_BLOCK_FIELDS, coll_block)
+                k = len(cdec["rank"])
                 ccols["run_id"].append(np.full(k, run_id))
                 ccols["step"].append(np.full(k, step))
                 ccols["is_old"].append(np.ones(k, dtype=bool))
                 for n, _ in COLL_BLOCK_FIELDS:
-                    ccols[n].append(c[n])
+                    ccols[n].append(cdec[n])
         for src, dst, fields in ((new_s, cols, STEP_BLOCK_FIELDS), (new_c, ccols, COLL_BLOCK_FIELDS)):
             k = len(src["run_id"])
             dst["run_id"].append(src["run_id"])
@@ -364,20 +374,20 @@ class Compactor:
         for fold in self.folds:
             fold(writer, S=S, C=C, gid=gid, cgid=cgid, gkeys=gkeys)
         # per-run counters
-        per_run: dict[int, list[int]] = {}
+        per_run: dict[int, tuple[int, int, int, int]] = {}
         had = np.bincount(gid, weights=S["is_old"], minlength=n_groups)
         became = (n_ranks > 0) & (had == 0)  # steps that now have rank-step rows for the first time
         for r in np.unique(run_ids):
             r = int(r)
             in_run = run_ids == r
-            new_s = int(((~S["is_old"]) & (S["run_id"] == r)).sum())
-            new_c = int(((~C["is_old"]) & (C["run_id"] == r)).sum())
+            n_new_s = int(((~S["is_old"]) & (S["run_id"] == r)).sum())
+            n_new_c = int(((~C["is_old"]) & (C["run_id"] == r)).sum())
             n_new_steps = int((became & in_run).sum())
-            per_run[r] = [new_s, new_c, n_new_steps, int(steps[in_run].max())]
+            per_run[r] = (n_new_s, n_new_c, n_new_steps, int(steps[in_run].max()))
             res.runs.add(r)
         store.bump_run_counters(cur, [(*v, k) for k, v in per_run.items()])
 
-    def _fold_modalities(self, cur: Any, mods: list) -> None:
+    def _fold_modalities(self, cur: Any, mods: list[tuple[int, int, int, str, int]]) -> None:
         agg: dict[tuple[int, int, str], dict[int, int]] = {}
         for run_id, step, rank, modality, tokens in mods:
             agg.setdefault((run_id, step, modality), {}).setdefault(rank, int(tokens))
@@ -394,7 +404,7 @@ class Compactor:
         store.upsert_modalities(cur, rows)
 
 
-def _decode_frags(frags: list, col: int, fields: tuple[tuple[str, str], ...]) -> dict[str, np.ndarray]:
+def _decode_frags(frags: list[tuple[Any, ...]], col: int, fields: tuple[tuple[str, str], ...]) -> dict[str, np.ndarray]:
     """Concatenate one block column of many fragments, with run_id, fragment index and age."""
     parts: dict[str, list[np.ndarray]] = {n: [] for n in ("run_id", "frag", "age", *(n for n, _ in fields))}
     for i, f in enumerate(frags):

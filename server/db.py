@@ -10,11 +10,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import Engine, create_engine
 
 from .store.bootstrap import ensure_database
+
+if TYPE_CHECKING:
+    import psycopg
+    from alembic.config import Config
+    from pgserver import PostgresServer
 
 __all__ = [
     "EmbeddedPostgres",
@@ -53,11 +58,12 @@ def make_engine(url: str, *, pool_size: int = 8) -> Engine:
 
 
 @contextmanager
-def raw_connection(engine: Engine) -> Iterator[Any]:
+def raw_connection(engine: Engine) -> Iterator[psycopg.Connection[Any]]:
     """A psycopg connection from the engine's pool, in a transaction committed on success."""
     fairy = engine.raw_connection()
     try:
-        conn = fairy.driver_connection
+        # the engine is always psycopg 3 (normalize_url); SQLAlchemy types the driver connection as Any | None
+        conn = cast("psycopg.Connection[Any]", fairy.driver_connection)
         try:
             yield conn
             conn.commit()
@@ -68,7 +74,7 @@ def raw_connection(engine: Engine) -> Iterator[Any]:
         fairy.close()
 
 
-def _alembic_config(url: str) -> Any:
+def _alembic_config(url: str) -> Config:
     import fleetscope.migrations as mig
     from alembic.config import Config
 
@@ -95,7 +101,7 @@ class EmbeddedPostgres:
     def __init__(self, data_dir: Path | str) -> None:
         self.data_dir = Path(data_dir)
         self.pgdata = self.data_dir / "pg"
-        self._server: Any = None
+        self._server: PostgresServer | None = None
         self.owner = False
 
     def _running(self) -> bool:
@@ -139,7 +145,8 @@ class EmbeddedPostgres:
         except Exception:  # noqa: BLE001 - best effort: pg may already be down
             pid = None
         try:
-            from pgserver._commands import pg_ctl  # type: ignore[import-not-found]
+            # pgserver creates its command functions (pg_ctl, initdb, ...) at import time with setattr
+            from pgserver._commands import pg_ctl  # type: ignore[attr-defined]
 
             pg_ctl(["-m", "fast", "-w", "stop"], pgdata=self.pgdata, user=srv.system_user, timeout=30)
         except Exception as e:  # noqa: BLE001

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import Depends, HTTPException, Request
+from fastapi import Depends, HTTPException, Request, params
 
 from .auth import ANONYMOUS_ADMIN, Principal
 from .state import AppState
@@ -25,7 +25,7 @@ def get_state(request: Request) -> AppState:
 State = Annotated[AppState, Depends(get_state)]
 
 
-def require_token(scope: Scope) -> object:
+def require_token(scope: Scope) -> params.Depends:
     """A dependency that lets a request through only when its token holds ``scope``.
 
     The edge (``server/edge.py``) authenticates every write before its body is read and puts the

@@ -13,6 +13,7 @@ Every function returns how much it aggregated, so the chart can say so. Rules (d
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,7 +124,9 @@ def reduce_matrix(mat: np.ndarray, max_rows: int = 256, max_cols: int = 400, how
         padded = np.full((nr * fr, nc * fc), np.nan, dtype=mat.dtype)
         padded[:r, :c] = mat
         blocks = padded.reshape(nr, fr, nc, fc)
-        fn = {"max": np.nanmax, "mean": np.nanmean, "min": np.nanmin}[how]
+        # annotated: the three numpy reductions' overloads do not unify into one callable type
+        reducers: dict[str, Callable[..., np.ndarray]] = {"max": np.nanmax, "mean": np.nanmean, "min": np.nanmin}
+        fn = reducers[how]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             vals = fn(blocks, axis=(1, 3))

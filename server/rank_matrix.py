@@ -17,7 +17,8 @@ import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from sqlalchemy import Engine
@@ -27,6 +28,9 @@ from .downsample import MatrixReduction, reduce_matrix
 from .store import ranks as rank_store
 from .store import runs as run_store
 from .store import steps as step_store
+
+if TYPE_CHECKING:
+    import zstandard
 
 __all__ = ["RankMatrices", "rank_matrices", "rank_heatmap", "rank_slowdown", "clear_cache", "HEATMAP_FIELDS"]
 
@@ -43,6 +47,13 @@ MAX_CELLS = 8 * 1024 * 1024
 _MAX_RUN_LOCKS = 4096
 
 
+#: keys of ``RankMatrices.derived``: a name ("work_s", "slowdown") or a heatmap's
+#: ("heatmap", field, how, max_ranks, max_steps)
+DerivedKey = str | tuple[str, str, str, int, int]
+#: a cached run: (``_ekey`` of its database, run id)
+_RunKey = tuple[tuple[int, str], int]
+
+
 @dataclass
 class RankMatrices:
     """``step_s[step_index, rank]`` and ``exposed_s`` (float32, NaN = no record) of one run."""
@@ -55,7 +66,7 @@ class RankMatrices:
     version: tuple[int, int]  # (runs.rank_steps, runs.steps) at load time
     stride: int = 1  # every stride-th step is held (1: all)
     load_s: float = 0.0
-    derived: dict[str, Any] = field(default_factory=dict)
+    derived: dict[DerivedKey, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -75,9 +86,9 @@ def _ekey(engine: Engine) -> tuple[int, str]:
     return id(engine), str(engine.url)
 
 
-_cache: OrderedDict[tuple[Any, int], RankMatrices] = OrderedDict()
+_cache: OrderedDict[_RunKey, RankMatrices] = OrderedDict()
 _lock = threading.Lock()
-_run_locks: dict[tuple[Any, int], threading.Lock] = {}
+_run_locks: dict[_RunKey, threading.Lock] = {}
 
 
 def clear_cache() -> None:
@@ -94,7 +105,7 @@ for _name, _dt in STEP_BLOCK_FIELDS:
     _ROW_BYTES += np.dtype(_dt).itemsize
 
 
-def _decompressor() -> tuple[Any, Any]:
+def _decompressor() -> tuple[ModuleType, zstandard.ZstdDecompressor | None]:
     from . import codec
 
     try:
@@ -105,7 +116,8 @@ def _decompressor() -> tuple[Any, Any]:
         return codec, None
 
 
-def _raw_block(blob: bytes, codec: Any, zstd: Any) -> tuple[int, Any] | None:
+def _raw_block(blob: bytes, codec: ModuleType, zstd: zstandard.ZstdDecompressor | None
+               ) -> tuple[int, bytes | memoryview] | None:
     """(rows, decompressed column bytes) of a step block, following ``codec.decode_block`` (whose
     block-version constants are private); None for a version it does not know."""
     version, n = struct.unpack_from("<BI", blob)
@@ -118,7 +130,7 @@ def _raw_block(blob: bytes, codec: Any, zstd: Any) -> tuple[int, Any] | None:
     return None
 
 
-def _wanted(raws: list[Any], n: int) -> dict[str, np.ndarray]:
+def _wanted(raws: list[bytes | memoryview], n: int) -> dict[str, np.ndarray]:
     """``_WANT`` columns of k blocks of n rows as (k, n) arrays: copy the three byte ranges of each
     block, then un-shuffle all blocks at once (4-byte fields)."""
     k = len(raws)
@@ -172,8 +184,9 @@ def _load_blocks(engine: Engine, run_id: int, world: int, after: int | None,
     codec, zstd = _decompressor()
     for rows in step_store.iter_blocks(engine, run_id, after, _FETCH_CHUNK, stride):
         raws = [_raw_block(b, codec, zstd) for _, b in rows]
-        fast = all(r is not None and r[0] == world for r in raws)
-        cols = _wanted([r[1] for r in raws], world) if fast else None  # type: ignore[index]
+        whole = [r for r in raws if r is not None and r[0] == world]
+        fast = len(whole) == len(raws)
+        cols = _wanted([r[1] for r in whole], world) if fast else None
         if cols is not None and np.array_equal(cols["rank"], np.broadcast_to(full, cols["rank"].shape)):
             # every rank present, in rank order (the compactor sorts by rank): no scatter needed
             st.add(cols["step_s"])
@@ -193,7 +206,7 @@ def _load_blocks(engine: Engine, run_id: int, world: int, after: int | None,
     return steps, st.done()[: steps.size], ex.done()[: steps.size], cells
 
 
-def _run_lock(key: tuple[Any, int]) -> threading.Lock:
+def _run_lock(key: _RunKey) -> threading.Lock:
     """The per-run load lock; the table of them stays bounded (unheld locks are dropped first)."""
     with _lock:
         lk = _run_locks.get(key)

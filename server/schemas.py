@@ -7,23 +7,37 @@ OpenAPI document publishes for the request body.
 
 from __future__ import annotations
 
-from typing import Any
+from types import GenericAlias
+from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from fleetscope.wire import SECTIONS, WIRE_VERSION
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeForm
+
 __all__ = ["INGEST_BODY_SCHEMA", "IngestResponse", "RunsResponse", "SummaryResponse", "AlertsResponse"]
 
-_PY = {"int": int, "float": float, "str": str}
+_PY: dict[str, type] = {"int": int, "float": float, "str": str}
 
 
 def _section_model(section: str) -> type[BaseModel]:
+    # Any: the values are (annotation, FieldInfo) pairs, and a ``**`` dict passed to create_model must
+    # also fit its ``__config__``/``__doc__``/... keyword parameters
     fields: dict[str, Any] = {}
     for f in SECTIONS[section][1]:
-        t = list[_PY[f.type]] if f.required else list[_PY[f.type] | None] | None  # type: ignore[valid-type]
+        py = _PY[f.type]
+        # list[py] / list[py | None] | None, built at runtime (py is a value, not a type expression)
+        t = GenericAlias(list, (py,)) if f.required else GenericAlias(list, (py | None,)) | None
         fields[f.name] = (t, Field(... if f.required else None, description=f.doc or None))
     return create_model(f"{section.title().replace('_', '')}Columns", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+def _optional(model: type[BaseModel]) -> TypeForm[BaseModel | None]:
+    """``model | None`` as an annotation for create_model: mypy cannot see a model built at runtime as
+    a type expression, so the union is a TypeForm by declaration."""
+    return cast("TypeForm[BaseModel | None]", model | None)
 
 
 class RankInfo(BaseModel):
@@ -50,9 +64,9 @@ IngestBatch = create_model(
     v=(int, Field(WIRE_VERSION, description="wire version")),
     run_id=(int, Field(..., description="id from POST /api/v1/runs")),
     sent_at=(float | None, None),
-    rank_steps=(_section_model("rank_steps") | None, None),
-    collectives=(_section_model("collectives") | None, None),
-    modality_tokens=(_section_model("modality_tokens") | None, None),
+    rank_steps=(_optional(_section_model("rank_steps")), None),
+    collectives=(_optional(_section_model("collectives")), None),
+    modality_tokens=(_optional(_section_model("modality_tokens")), None),
     ranks=(list[RankInfo] | None, None),
     events=(list[EventRecord] | None, None),
     records=(list[dict[str, Any]] | None, Field(None, description="row form: objects with a 'kind' and the fields")),

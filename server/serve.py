@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from types import FrameType
 
 from fastapi import FastAPI
 
@@ -53,7 +54,7 @@ def run_server(settings: Settings, *, app_factory: Callable[..., FastAPI] = crea
         # re-raise just returns, so the finally below stops embedded Postgres (no orphan postmaster)
         import signal
 
-        def _ignore(signum: int, frame: object) -> None:
+        def _ignore(signum: int, frame: FrameType | None) -> None:
             log.debug("signal %s after shutdown", signum)
 
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -64,7 +65,7 @@ def run_server(settings: Settings, *, app_factory: Callable[..., FastAPI] = crea
             # so its connections are gone by the time uvicorn drains them
             orig_handle_exit = server.handle_exit
 
-            def handle_exit(sig: int, frame: object) -> None:
+            def handle_exit(sig: int, frame: FrameType | None) -> None:
                 if not stopper:
                     t = threading.Thread(target=on_shutdown, name="fleetscope-shutdown", daemon=True)
                     stopper.append(t)

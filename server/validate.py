@@ -7,6 +7,7 @@ only over the offending positions (to find the first bad index and its value).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,12 +158,12 @@ def _column(section: str, f: Field, values: Any, n: int, index_map: list[int] | 
         raise BatchError(_loc(section, bad, f.name, index_map), "is out of range", got=values[bad]) from None
     nan = np.isnan(arr)
     if nan.any():
-        for i in np.flatnonzero(nan):
-            v = values[i]
+        for j in np.flatnonzero(nan):
+            v = values[j]
             if v is not None:
-                raise BatchError(_loc(section, int(i), f.name, index_map), "must be finite (NaN is not allowed)", got=v)
+                raise BatchError(_loc(section, int(j), f.name, index_map), "must be finite (NaN is not allowed)", got=v)
             if f.required:
-                raise BatchError(_loc(section, int(i), f.name, index_map), "is required (null given)")
+                raise BatchError(_loc(section, int(j), f.name, index_map), "is required (null given)")
     fin = arr[~nan]
     if fin.size:
         bad_mask = ~np.isfinite(arr) & ~nan
@@ -188,7 +189,7 @@ def _column(section: str, f: Field, values: Any, n: int, index_map: list[int] | 
     return arr
 
 
-def _binary_column(section: str, f: Field, values: bytes, n: int) -> np.ndarray:
+def _binary_column(section: str, f: Field, values: bytes | bytearray, n: int) -> np.ndarray:
     """A packed little-endian column: float64 (NaN = not measured) or int64."""
     if f.type == "str":
         raise BatchError(f"{section}.{f.name}", "must be an array of strings (bytes given)")
@@ -382,7 +383,7 @@ def _events(items: list[tuple[str, Any]], world_size: int) -> list[dict[str, Any
     return out
 
 
-def validate_batch(doc: Any, world_size_of: Any) -> ValidBatch:
+def validate_batch(doc: Any, world_size_of: Callable[[int], int | None]) -> ValidBatch:
     """Check a decoded batch; ``world_size_of(run_id)`` gives the run's world size or None if unknown."""
     if not isinstance(doc, dict):
         raise BatchError("batch", f"must be an object, got {type(doc).__name__}")

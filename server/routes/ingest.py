@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from ..deps import IngestAuth, State
 from ..ingest import Overloaded
 from ..schemas import INGEST_BODY_SCHEMA, IngestResponse
+from ..state import AppState
 from ..validate import BatchError
 
 router = APIRouter(tags=["ingest"])
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 _REASONS = {400: "malformed", 401: "auth", 413: "too_large", 415: "unsupported", 422: "invalid"}
 
 
-def _error(st: Any, status: int, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
+def _error(st: AppState, status: int, detail: str | dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
     st.metrics.rejections.labels(_REASONS.get(status, "overloaded" if status in (429, 503) else str(status))).inc()
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 

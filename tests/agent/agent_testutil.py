@@ -168,6 +168,7 @@ def ddp_worker(rank: int, world: int, store: str, out_dir: str, steps: int) -> N
         opt.step()
         opt.zero_grad()
     run.finish()
+    dist.barrier()  # no rank tears gloo down while its peer is still in the last collective
     dist.destroy_process_group()
 
 
@@ -193,6 +194,7 @@ def fsdp_worker(rank: int, world: int, store: str, out_dir: str, steps: int) -> 
         opt.step()
         opt.zero_grad()
     run.finish()
+    dist.barrier()  # no rank tears gloo down while its peer is still in the last collective
     dist.destroy_process_group()
 
 
@@ -262,6 +264,7 @@ def collectives_worker(rank: int, world: int, store: str, out_dir: str) -> None:
         time.sleep(0.001)
     run.event("plan", index=index)
     run.finish()
+    dist.barrier()  # no rank tears gloo down while its peer is still in the last collective
     dist.destroy_process_group()
 
 

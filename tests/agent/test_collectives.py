@@ -168,6 +168,7 @@ def test_single_process_group_records_and_ddp_hook_matches_default(tmp_path: Any
             (1, "all_reduce", 4000, 1),
         ]
     finally:
+        dist.barrier()  # no rank tears gloo down while its peer is still in the last collective
         dist.destroy_process_group()
 
 
@@ -194,6 +195,7 @@ def test_no_device_synchronisation_with_cuda_timing(monkeypatch: pytest.MonkeyPa
         for s in tx.steps():
             assert parts_sum(s) == pytest.approx(s["step_s"], rel=1e-9, abs=1e-12)
     finally:
+        dist.barrier()  # no rank tears gloo down while its peer is still in the last collective
         dist.destroy_process_group()
 
 
@@ -250,6 +252,7 @@ def test_fast_path_moves_blocking_calls_out_of_their_phase(tmp_path: Any) -> Non
             assert parts_sum(s) == pytest.approx(s["step_s"], rel=1e-12, abs=0)
         assert run.stats()["internal_errors"] == 0
     finally:
+        dist.barrier()  # no rank tears gloo down while its peer is still in the last collective
         dist.destroy_process_group()
 
 
@@ -295,4 +298,5 @@ def test_fast_path_nested_call_other_thread_and_failing_collective(tmp_path: Any
         assert parts_sum(s) == pytest.approx(s["step_s"], rel=1e-12, abs=0)
         assert run.stats()["internal_errors"] == 0
     finally:
+        dist.barrier()  # no rank tears gloo down while its peer is still in the last collective
         dist.destroy_process_group()

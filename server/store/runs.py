@@ -17,6 +17,7 @@ import numpy as np
 from sqlalchemy import Connection, Engine, text
 
 from ..codec import FRAG_COLL_FIELDS, FRAG_STEP_FIELDS, decode_block
+from ..jsonsafe import UnsafeValue, check_json
 from .rows import RunRow
 
 __all__ = [
@@ -54,13 +55,23 @@ def _iso(v: dt.datetime | None) -> str | None:
 def _row(r: Any) -> RunRow:
     m = r._mapping
     return RunRow(
-        id=int(m["id"]), name=m["name"], model_family=m["model_family"], config=m["config"],
+        id=int(m["id"]), name=m["name"], model_family=m["model_family"], config=_readable(m["config"], "config"),
         config_signature=m["config_signature"], world_size=int(m["world_size"]), mp_size=int(m["mp_size"]),
         device_type=m["device_type"], device_count=m["device_count"], peak_flops=m["peak_flops"],
-        git_commit=m["git_commit"], status=m["status"], meta=m["meta"], started_at=_iso(m["started_at"]),
+        git_commit=m["git_commit"], status=m["status"], meta=_readable(m["meta"], "meta"), started_at=_iso(m["started_at"]),
         finished_at=_iso(m["finished_at"]), last_seen_at=_iso(m["last_seen_at"]), rank_steps=int(m["rank_steps"]),
         collective_records=int(m["collective_records"]), steps=int(m["steps"]), last_step=m["last_step"],
     )  # fmt: skip
+
+
+def _readable(v: Any, what: str) -> Any:
+    """A stored config/meta as every reader can serialise it; a legacy value that today's checks would
+    refuse (too deep, integers past 64 bits) shows as such instead of breaking the page or the API."""
+    try:
+        check_json(v, what)
+    except UnsafeValue as e:
+        return {"_unreadable": f"stored {what} not shown: {e.message} (written before the server checked it)"}
+    return v
 
 
 def _select(c: Connection, where: str, params: dict[str, Any], order: str, limit: int) -> list[RunRow]:

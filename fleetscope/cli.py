@@ -256,12 +256,15 @@ def delete_run(
 # importing heavy dependencies inside the command function.
 def _register_part_commands() -> None:
     from .analysis_cli import bench, check, detect
+    from .launcher import run as launch_run
     from .simulate import simulate
     from .traces.cli import import_trace
 
     for name, fn in (("simulate", simulate), ("import-trace", import_trace), ("detect", detect), ("check", check),
                      ("bench", bench)):
         app.command(name)(fn)
+    # `fleetscope run [OPTIONS] -- COMMAND ...`: everything after -- is COMMAND's, options included
+    app.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})(launch_run)
 
 
 _register_part_commands()

@@ -1,0 +1,231 @@
+"""Zero-code instrumentation: what ``fleetscope run -- COMMAND`` does inside every Python process.
+
+The launcher (``fleetscope/launcher.py``) puts a generated ``sitecustomize.py`` first on PYTHONPATH
+and sets ``FLEETSCOPE_AUTO=1``; that file calls ``activate()`` in every Python process the command
+starts. From then on, with no change to the training script:
+
+* ``activate`` imports the standard library only. It waits for ``torch`` to be imported (a meta-path
+  finder that wraps torch's loader), then, unless the process is torchrun's launcher itself, adds
+  two *global* module hooks (``register_module_forward_pre_hook`` / ``register_module_forward_hook``)
+  that only count the nesting depth of module calls.
+* The first **top-level** module call in training mode with grad enabled marks a training process.
+  The global hooks are removed again (they are not left on every module call). If the script has
+  started a run itself (``fleetscope.agent.init``), the launcher yields to it and does nothing more.
+  Otherwise it calls ``init`` (name ``FLEETSCOPE_RUN_NAME``: one name for every rank of the launch;
+  family ``FLEETSCOPE_FAMILY``) and ``run.instrument(model=<that module>)``: forward hooks on that
+  top-level module only, plus DDP's comm hook, exactly as automatic mode.
+* Step boundaries come from global optimizer hooks (``register_optimizer_step_pre_hook`` /
+  ``..._post_hook``): a step ends when the first optimizer that stepped finishes ``step()``, so
+  gradient-accumulation micro-steps are not steps. The next step opens at once in ``data``: the time
+  until its first forward (loading the batch) is its ``data_s``.
+
+Every hook body is guarded: a failure is logged once and the job goes on, unsynchronised.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import logging
+import os
+import sys
+from typing import Any
+
+__all__ = ["activate", "is_launcher_process", "ENV_AUTO", "ENV_FAMILY"]
+
+log = logging.getLogger(__name__)
+
+ENV_AUTO = "FLEETSCOPE_AUTO"
+ENV_FAMILY = "FLEETSCOPE_FAMILY"
+
+_activated = False
+_depth = 0  # nesting depth of module calls, until the first training forward
+_started = False
+_module_hooks: list[Any] = []
+_warned: set[str] = set()
+
+
+def _warn_once(where: str, exc: BaseException) -> None:
+    if where not in _warned:
+        _warned.add(where)
+        log.warning("fleetscope: zero-code instrumentation (%s) failed: %r", where, exc)
+
+
+def is_launcher_process() -> bool:
+    """torchrun's (or torch.distributed.launch's) own process: it starts the ranks, trains nothing."""
+    argv0 = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if argv0 in ("torchrun", "torchrun.exe"):
+        return True
+    path = (sys.argv[0] if sys.argv else "").replace("\\", "/")
+    if path.endswith(("torch/distributed/run.py", "torch/distributed/launch.py")):
+        return True
+    orig = list(getattr(sys, "orig_argv", []))
+    for i, a in enumerate(orig[:-1]):
+        if a == "-m" and orig[i + 1] in ("torch.distributed.run", "torch.distributed.launch"):
+            return True
+    return False
+
+
+def activate() -> None:
+    """Called by the launcher's sitecustomize in every Python process; idempotent, never raises."""
+    global _activated
+    if _activated or os.environ.get(ENV_AUTO) != "1":
+        return
+    _activated = True
+    try:
+        if "torch" in sys.modules and hasattr(sys.modules["torch"], "nn"):
+            _on_torch_imported()
+        else:
+            sys.meta_path.insert(0, _TorchWatcher())
+    except Exception as e:  # noqa: BLE001
+        _warn_once("activate", e)
+
+
+class _TorchLoader(importlib.abc.Loader):
+    """torch's own loader, plus a call once the module has executed."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def create_module(self, spec: Any) -> Any:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        try:  # the module keeps its real loader
+            module.__loader__ = self._inner
+            if module.__spec__ is not None:
+                module.__spec__.loader = self._inner
+        except Exception:  # noqa: BLE001
+            pass
+        self._inner.exec_module(module)
+        try:
+            _on_torch_imported()
+        except Exception as e:  # noqa: BLE001
+            _warn_once("torch import", e)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _TorchWatcher(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when ``torch`` is looked for, wraps the real spec's loader."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "torch":
+            return None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        try:
+            spec = importlib.util.find_spec("torch")
+        except Exception:  # noqa: BLE001
+            return None
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _TorchLoader(spec.loader)
+        return spec
+
+
+def _on_torch_imported() -> None:
+    if _started or _module_hooks or is_launcher_process():
+        return
+    from torch.nn.modules import module as mm
+
+    _module_hooks.append(mm.register_module_forward_pre_hook(_global_pre))
+    try:
+        _module_hooks.append(mm.register_module_forward_hook(_global_post, always_call=True))
+    except TypeError:  # older torch without always_call
+        _module_hooks.append(mm.register_module_forward_hook(_global_post))
+
+
+def _global_pre(module: Any, args: Any) -> None:
+    global _depth
+    d = _depth
+    _depth = d + 1
+    if d or _started:
+        return
+    try:
+        import torch
+
+        if module.training and torch.is_grad_enabled():
+            _start(module)
+    except Exception as e:  # noqa: BLE001
+        _warn_once("start", e)
+
+
+def _global_post(module: Any, args: Any, output: Any) -> None:
+    global _depth
+    if _depth > 0:
+        _depth -= 1
+
+
+def _remove_module_hooks() -> None:
+    for h in _module_hooks:
+        try:
+            h.remove()
+        except Exception:  # noqa: BLE001
+            pass
+    _module_hooks.clear()
+
+
+def _start(module: Any) -> None:
+    """The first top-level training forward of this process: start the run (unless the script did)."""
+    global _started
+    _started = True
+    _remove_module_hooks()
+    from . import get_run, init
+    from .run import Run
+    from .torch_hooks import _forward_pre
+
+    if get_run() is not None:
+        log.info("fleetscope: the script started its own run; zero-code instrumentation yields to it")
+        return
+    run = init(model_family=os.environ.get(ENV_FAMILY) or None, meta={"instrumented_by": "fleetscope run"})
+    if not isinstance(run, Run):
+        return  # disabled, or init failed (it said why)
+    run.instrument(model=module)
+    # this call's own module pre-hook was registered too late to run: take its transition here
+    if not run._finished:
+        _forward_pre(run, True)
+    run._hooks.extend(_optimizer_hooks(run))
+
+
+def _optimizer_hooks(run: Any) -> list[Any]:
+    import weakref
+
+    from torch.optim import optimizer as om
+
+    from .run import get_run
+    from .step_state import DATA, OTHER
+    from .torch_hooks import _optimizer_post, _optimizer_pre
+
+    boundary: list[Any] = []  # weakref to the optimizer whose step() ends a step (the first to step)
+
+    def live() -> bool:
+        return not run._finished and get_run() is run
+
+    def pre(opt: Any, args: Any, kwargs: Any) -> None:
+        try:
+            if not live():
+                return
+            if not boundary:
+                boundary.append(weakref.ref(opt))
+            _optimizer_pre(run)
+        except Exception as e:  # noqa: BLE001
+            run._error("optimizer", e)
+
+    def post(opt: Any, args: Any, kwargs: Any) -> None:
+        try:
+            if not live():
+                return
+            if boundary and boundary[0]() is opt:
+                _optimizer_post(run)  # ends the step
+                if run._step is None:
+                    run._begin(True, DATA)  # the next step: data until its first forward
+            elif run._step is not None and not run._stack:
+                run._to(OTHER)
+        except Exception as e:  # noqa: BLE001
+            run._error("optimizer", e)
+
+    return [om.register_optimizer_step_pre_hook(pre), om.register_optimizer_step_post_hook(post)]

@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 #: bumped when a figure's definition changes: cached figures of another version are recomputed
-FIGURES_VERSION = 2
+FIGURES_VERSION = 3
 
 #: the step-time components in stacking order: (decomposition key, label)
 COMPONENTS = (("data_s", "data"), ("compute_s", "compute"), ("comm_exposed_s", "exposed comm"), ("other_s", "other"))
@@ -133,6 +133,7 @@ class RunFigures:
     comm_exposed_s: float | None = None
     other_s: float | None = None
     comm_total_s: float | None = None
+    phases: dict[str, float] | None = None  # forward / backward / optimizer (median over steps of the cross-rank median)
     straggler_wait_s: float | None = None
     overlap_ratio: float | None = None
     mfu: float | None = None
@@ -198,6 +199,8 @@ def run_figures(run: RunRow, a: RunAggregate | None) -> RunFigures:
         comm_exposed_s=a.comm_exposed_s,
         other_s=a.other_s,
         comm_total_s=a.comm_total_s,
+        phases={k: v for k, v in (("forward", a.forward_s), ("backward", a.backward_s), ("optimizer", a.optimizer_s))
+                if v is not None} or None,
         straggler_wait_s=a.straggler_wait_s,
         overlap_ratio=overlap_ratio(a.comm_exposed_s, a.comm_total_s),
         mfu=mfu(a.flops_per_dev_s, run.peak_flops) if a.flops_per_dev_s is not None and run.peak_flops else None,

@@ -148,6 +148,7 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
         "collective_records": d["collective_records"],
         "steps": fig.steps,
         "decomposition": fig.decomposition,
+        "phases": fig.phases or {},
         "comm_total_s": fig.comm_total_s,
         "overlap_ratio": fig.overlap_ratio,
         "step_s_p50": fig.step_s,

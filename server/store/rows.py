@@ -91,6 +91,9 @@ class RunAggregate:
     comm_exposed_s: float | None
     other_s: float | None
     comm_total_s: float | None
+    forward_s: float | None  # the compute phases the agent times (None when no step measured them)
+    backward_s: float | None
+    optimizer_s: float | None
     straggler_wait_s: float | None  # median of max − median work
     sum_step_s: float | None
     sum_data_s: float | None

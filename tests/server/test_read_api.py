@@ -36,6 +36,11 @@ def test_runs_list_filters_and_summary_follow_the_contract(live_server: Any) -> 
     # medians of the components add up to about the median step (each is a median, not a sum)
     assert abs(d["data_s"] + d["compute_s"] + d["comm_exposed_s"] + d["other_s"] - d["step_s"]) / d["step_s"] < 0.05
     assert 0 < s["mfu"] < 1 and s["mfu_estimated"] is True and s["tokens_per_s"] > 0
+    # the measured compute phases (synthetic: forward = compute/3, backward = 0.6 compute on every rank)
+    ph = s["phases"]
+    assert set(ph) == {"forward", "backward", "optimizer"}
+    assert abs(ph["forward"] - d["compute_s"] / 3) <= 1e-4 * d["compute_s"]
+    assert abs(ph["backward"] - 0.6 * d["compute_s"]) <= 1e-4 * d["compute_s"]
     assert isinstance(s["stragglers"], list) and isinstance(s["bottlenecks"], list)  # filled by the analysis layer
     colls = httpx.get(f"{live_server.url}/api/v1/runs/{a}/collectives").json()["collectives"]
     ar = [c for c in colls if c["op"] == "all_reduce"]

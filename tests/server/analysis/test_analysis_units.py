@@ -149,3 +149,11 @@ def test_check_verdict_and_within_run_shift() -> None:
     shift = step_shift_regression(7, np.arange(100), y)
     assert shift is not None and abs(shift.first_bad["step"] - 60) <= 2 and shift.change == pytest.approx(0.3, abs=0.03)
     assert step_shift_regression(7, np.arange(3), np.ones(3)) is None
+
+
+def test_phases_are_the_measured_compute_phases_only() -> None:
+    from fleetscope.server.analysis.figures import run_figures
+
+    fig = run_figures(RUN, _agg(forward_s=0.2, backward_s=0.35, optimizer_s=0.05))
+    assert fig.phases == {"forward": 0.2, "backward": 0.35, "optimizer": 0.05}
+    assert run_figures(RUN, _agg()).phases is None  # nothing measured: absent, not zero

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from analysis_util import load
 from fleetscope.server import reports
+from fleetscope.server.analysis.figures import FIGURES_VERSION
 from fleetscope.server.store import aggregates, steps
 from fleetscope.server.store import runs as run_store
 from sqlalchemy import text
@@ -49,7 +50,7 @@ def test_figures_are_kept_in_run_stats_and_recomputed_when_the_run_grows(live_se
     assert reports.figures(eng, [run])[rid].steps == 8
     with eng.connect() as c:
         rs, stats = c.execute(text("SELECT rank_steps, stats FROM run_stats WHERE run_id = :id"), {"id": rid}).one()
-    assert rs == run.rank_steps and stats["steps"] == 8 and stats["v"] == 2
+    assert rs == run.rank_steps and stats["steps"] == 8 and stats["v"] == FIGURES_VERSION
     reports.clear_caches()
     assert reports.figures(eng, [run])[rid].steps == 8  # from run_stats: no aggregate query needed
     load_range(live_server, spec, step_lo=8)

@@ -35,6 +35,7 @@ dash.register_page(__name__, path_template="/runs/<run_id>", name="Run", title="
 RUN = "run-id"
 URL = "run-url"
 KPIS = "run-kpis"
+PHASES_KPI = "run-phases"
 BOTTLENECK_TEXT = "run-bottleneck-text"
 DECOMPOSITION = "run-decomposition"
 HEAT_FIELD = "run-heat-field"
@@ -157,6 +158,15 @@ def _bottleneck_panel(summary: dict[str, Any], report: dict[str, Any]) -> html.D
     ], id="run-bottleneck-report")
 
 
+def _phases_kpi(phases: dict[str, float]) -> Any:
+    """Compute split into the phases the agent measured (median step): forward / backward / optimizer."""
+    order = [k for k in ("forward", "backward", "optimizer") if phases.get(k) is not None]
+    if not order:
+        return kpi("compute phases", "–", "not measured (manual steps without phases)", kid=PHASES_KPI)
+    return kpi("compute phases", " / ".join(fmt_s(phases[k]) for k in order), " / ".join(order) + " (median step)",
+               kid=PHASES_KPI)
+
+
 @callback(
     Output(KPIS, "children"), Output(BOTTLENECK_TEXT, "children"),
     Output(DECOMPOSITION, "figure"), Output(THROUGHPUT, "figure"), Output(MEMORY, "figure"), Output(MODALITY, "figure"),
@@ -178,6 +188,7 @@ def _series(rid: int) -> tuple[Any, ...]:
         kpi("exposed comm", fmt_s(d.get("comm_exposed_s")),
             f"overlap {fmt_pct(summary.get('overlap_ratio'))}" if summary.get("overlap_ratio") is not None else None),
         kpi("data wait", fmt_s(d.get("data_s"))),
+        _phases_kpi(summary.get("phases") or {}),
         kpi("peak memory", fmt_bytes(summary.get("mem_peak_bytes")), "max over ranks"),
         kpi("packing", fmt_pct(summary.get("packing_efficiency")), "real ÷ padded tokens"),
         kpi("records", f"{fmt_num(summary.get('rank_steps'))} rank-steps",

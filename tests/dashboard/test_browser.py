@@ -106,6 +106,8 @@ def test_run_page_shows_report_straggler_node_and_units(browser: Any, fleet: dic
     assert "node0001" in text  # the straggler node is named
     body = browser.find_element(By.TAG_NAME, "body").text
     assert "Fix first:" in body and "UTC" in body and "tokens/s" in body
+    phases = browser.find_element(By.ID, "run-phases").text.lower()  # forward / backward / optimizer, median step
+    assert "compute phases" in phases and "forward / backward / optimizer" in phases
     heat = browser.execute_script("return document.querySelector('#run-heatmap').textContent")
     assert "Per-rank work time" in heat and "every rank and step (16 × 40)" in heat
     wait_for(browser, "document.getElementById('run-traces') !== null", what="the trace section")

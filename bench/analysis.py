@@ -16,7 +16,9 @@ The server runs as its own process (``fleetscope serve``) on embedded Postgres. 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -256,7 +258,9 @@ def main() -> None:
     if url is None:
         from fleetscope.server.db import EmbeddedPostgres
 
-        pg = EmbeddedPostgres(tempfile.mkdtemp(prefix="fsb-", dir="/tmp"))
+        pg_dir = tempfile.mkdtemp(prefix="fsb-", dir="/tmp")
+        atexit.register(shutil.rmtree, pg_dir, True)  # the temp dir goes with the run
+        pg = EmbeddedPostgres(pg_dir)
         pg.start()
         url = pg._server.get_uri("postgres")
     from fleetscope.server.db import upgrade

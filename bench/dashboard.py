@@ -16,9 +16,11 @@ declared topology) carry 4 collective records per rank-step. Prints ``name: valu
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -108,6 +110,7 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.dir = Path(tempfile.mkdtemp(prefix="fs-benchdash-", dir="/tmp"))
+        atexit.register(shutil.rmtree, self.dir, True)  # the temp dir goes with the run
         self.figures: list[tuple[str, float, str]] = []
 
     # ---------------------------------------------------------------- server

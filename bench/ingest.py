@@ -11,7 +11,9 @@ Prints `name: value unit` lines last (docs/benchmarks.md). The server runs as it
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -115,6 +117,7 @@ def main() -> None:
     n = steps * args.ranks
 
     tmp = Path(tempfile.mkdtemp(prefix="fsb-", dir="/tmp"))
+    atexit.register(shutil.rmtree, tmp, True)  # the temp dir goes with the run
     pg = EmbeddedPostgres(tmp)
     url = pg.start()
     upgrade(url)

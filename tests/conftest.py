@@ -4,6 +4,7 @@ server on a loopback port (uvicorn in a thread) over HTTP."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -18,6 +19,17 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+# One temp root per test session, removed at its end: whatever a test or a process it starts leaves
+# in the temp dir (torchrun's torchelastic_* dirs when a job is stopped, browser profiles, embedded
+# Postgres) goes with it. Short, so Postgres' unix socket paths stay under their ~107-byte limit.
+_SESSION_TMP = tempfile.mkdtemp(prefix="fst-", dir="/tmp")
+os.environ["TMPDIR"] = _SESSION_TMP
+tempfile.tempdir = None  # re-read TMPDIR
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -55,9 +67,12 @@ def pg_root() -> Iterator[Any]:
 
     d = tempfile.mkdtemp(prefix="fs-pg-")
     pg = EmbeddedPostgres(d)
-    pg.start()
-    yield pg
-    pg.stop()
+    try:
+        pg.start()
+        yield pg
+    finally:
+        pg.stop()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -160,4 +175,7 @@ def live_server(db_url: str) -> Iterator[LiveServer]:
 def tmp_data_dir() -> Iterator[Path]:
     # short path: Postgres unix socket paths are limited to ~107 bytes
     d = Path(tempfile.mkdtemp(prefix="fsd-", dir="/tmp"))
-    yield d
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

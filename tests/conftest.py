@@ -3,6 +3,7 @@ server on a loopback port (uvicorn in a thread) over HTTP."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import socket
@@ -30,6 +31,9 @@ tempfile.tempdir = None  # re-read TMPDIR
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(_SESSION_TMP, ignore_errors=True)
+
+
+atexit.register(shutil.rmtree, _SESSION_TMP, True)  # and whatever exit handlers write after the session
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

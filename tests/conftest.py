@@ -58,6 +58,23 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             tr.write_line(f"  {e}")
 
 
+def wait_healthy(url: str, proc: Any, timeout: float = 60) -> None:
+    """Wait until the server subprocess ``proc`` answers ``/healthz`` 200; fail if it exits first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited early: {proc.stdout.read() if proc.stdout else ''}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("server not healthy in time")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

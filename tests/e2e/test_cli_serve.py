@@ -11,23 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
+from conftest import free_port, wait_healthy
 
 FS = [sys.executable, "-m", "fleetscope.cli"]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited early: {proc.stdout.read() if proc.stdout else ''}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("server not healthy in time")
 
 
 def _postmaster_pid(data_dir: Path) -> int:
@@ -55,7 +41,7 @@ def test_serve_without_url_runs_embedded_postgres_and_stops_it(tmp_data_dir: Pat
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, proc)
+        wait_healthy(url, proc)
         pm = _postmaster_pid(tmp_data_dir)
         assert _alive(pm)
         # a token made while serve runs attaches to the same postmaster and leaves it running
@@ -84,7 +70,7 @@ def test_serve_without_url_runs_embedded_postgres_and_stops_it(tmp_data_dir: Pat
     proc = subprocess.Popen([*FS, "serve", "--port", str(port), "--data-dir", str(tmp_data_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}", proc)
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
         runs = httpx.get(f"http://127.0.0.1:{port}/api/v1/runs").json()["runs"]
         assert [r["name"] for r in runs] == ["cli-run"]
     finally:
@@ -112,7 +98,7 @@ def test_demo_loads_a_fleet_through_the_api_and_reloading_never_duplicates(tmp_d
     proc = subprocess.Popen([*FS, "serve", "--port", str(port), "--data-dir", str(tmp_data_dir)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}", proc)
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
         runs = httpx.get(f"http://127.0.0.1:{port}/api/v1/runs", params={"limit": 1000}).json()["runs"]
         from fleetscope.demo import fleet_history
 
@@ -134,7 +120,7 @@ def test_demo_streams_a_live_four_rank_job_and_stops_everything_on_ctrl_c(tmp_da
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc, timeout=120)
+        wait_healthy(url, proc, timeout=120)
         deadline = time.monotonic() + 240
         live: dict = {}
         while time.monotonic() < deadline:

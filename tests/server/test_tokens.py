@@ -7,12 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from typing import Any
 
 import httpx
 import pytest
-from conftest import free_port
+from conftest import free_port, wait_healthy
 from fleetscope.server.auth import TokenError, TokenVerifier, create_token, list_tokens, revoke_token
 from sqlalchemy import text
 
@@ -72,26 +71,13 @@ def _serve(db_url: str) -> tuple[subprocess.Popen[str], str]:
     return p, f"http://127.0.0.1:{port}"
 
 
-def _wait(url: str, p: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert p.poll() is None, "server exited"
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("server not healthy")
-
-
 def test_revoked_token_gets_401_at_once_on_two_server_processes(db_url: str) -> None:
     assert _cli("db", "upgrade", "--database-url", db_url).returncode == 0
     tok = _cli("token", "create", "--name", "agent", "--database-url", db_url).stdout.strip().splitlines()[-1]
     servers = [_serve(db_url), _serve(db_url)]
     try:
         for p, url in servers:
-            _wait(url, p)
+            wait_healthy(url, p)
         h = {"Authorization": f"Bearer {tok}"}
         for _, url in servers:
             assert httpx.post(f"{url}/api/v1/runs", json=REG, headers=h, timeout=10).status_code == 200

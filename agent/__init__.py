@@ -228,6 +228,9 @@ def _init(
         },
     )
     run._ensure_collectives()  # record collectives from now on, with or without instrument()
+    from . import compile_watch
+
+    compile_watch.install(run)  # torch.compile health, once torch._dynamo is imported (compile_watch.py)
     run_mod._set_active(run)
     _install_process_hooks()
     return run

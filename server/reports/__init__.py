@@ -54,6 +54,7 @@ from .runs import (
     goodput,
     list_runs,
     run_collectives,
+    run_compile,
     run_events,
     run_summary,
     run_traces,
@@ -66,6 +67,7 @@ __all__ = [
     # runs
     "get_run", "list_runs", "figures", "with_figures", "run_summary", "bottlenecks", "stragglers",
     "collective_efficiency", "run_collectives", "goodput", "run_events", "run_traces", "database_ok",
+    "run_compile",
     # run page
     "run_page_summary", "run_series", "modality_series", "collectives_view", "straggler_view", "bottleneck_report",
     "ranking_from_shares", "rank_heatmap", "rank_slowdown",

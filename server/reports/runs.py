@@ -11,6 +11,7 @@ from sqlalchemy import Engine
 from ..analysis.bottlenecks import bottleneck_report, data_stall_ranks, summary_bottlenecks
 from ..analysis.collectives import collective_efficiency as _efficiency
 from ..analysis.collectives import collective_rows
+from ..analysis.compile import compile_health
 from ..analysis.figures import RunFigures, run_figures
 from ..analysis.goodput import goodput as _goodput
 from ..analysis.rollups import THRESHOLD
@@ -25,6 +26,7 @@ from ..analysis.stragglers import (
 )
 from ..store import aggregates, collectives, events, ranks, steps, traces
 from ..store import runs as run_store
+from ..store.compile import load_compile
 from ..store.rows import RankRollups, RunRow
 from . import _cache
 
@@ -41,6 +43,7 @@ __all__ = [
     "goodput",
     "run_events",
     "run_traces",
+    "run_compile",
     "database_ok",
 ]
 
@@ -164,6 +167,7 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
         "negative_residual_steps": fig.negative_residual_steps,
         "stragglers": summary_stragglers(_stragglers(engine, run, fig)),
         "bottlenecks": summary_bottlenecks(_bottlenecks(engine, run, fig)),
+        "compile": run_compile(engine, run.id),  # read fresh: events land after the steps
     }
 
 
@@ -214,6 +218,14 @@ def run_events(engine: Engine, run_id: int, limit: int = 500) -> list[dict[str, 
 def run_traces(engine: Engine, run_id: int) -> list[dict[str, Any]]:
     """The run's trace summaries (imported and sampled), ranks ascending."""
     return traces.run_traces(engine, run_id)
+
+
+def run_compile(engine: Engine, run_id: int) -> dict[str, Any] | None:
+    """torch.compile health (``analysis.compile``): compiles, recompiles, graph breaks, compile time,
+    top reasons, steps that recompiled; None when the run has no compile events. Not cached (one
+    query): its events are not part of ``RunRow.version``."""
+    rows = load_compile(engine, run_id)
+    return compile_health(rows.totals, rows.reasons, rows.recompile_steps, rows.replays, has_events=rows.has_events)
 
 
 def database_ok(engine: Engine) -> None:

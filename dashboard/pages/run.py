@@ -50,6 +50,7 @@ COLLECTIVE_TABLE = "run-collective-table"
 MODALITY = "run-modality"
 EXTRAS = "run-extras"
 CONFIG = "run-config"
+COMPILE = "run-compile"
 
 GRAPHS = (DECOMPOSITION, HEATMAP, STRAGGLERS, THROUGHPUT, MEMORY, COLLECTIVES, MODALITY)
 
@@ -89,6 +90,7 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
         loading(kpi_strip([], kid=KPIS)),
         section("What to fix first", loading(html.Div(id=BOTTLENECK_TEXT))),
         section(None, loading(graph(DECOMPOSITION))),
+        loading(html.Div(id=COMPILE)),
         section(None, loading(graph(HEATMAP)), right=html.Div([
             dcc.RadioItems(id=HEAT_FIELD, options=[{"label": "step time", "value": "step_s"},
                                                    {"label": "work time", "value": "work_s"}],
@@ -194,10 +196,65 @@ def _series(rid: int) -> tuple[Any, ...]:
         kpi("records", f"{fmt_num(summary.get('rank_steps'))} rank-steps",
             f"{summary.get('steps', 0):,} steps × {ws:,} ranks"),
     ]
-    return (kpis, _bottleneck_panel(summary, report), F.decomposition_figure(series),
+    return (kpis, _bottleneck_panel(summary, report),
+            _mark_recompiles(F.decomposition_figure(series), reports.run_compile(eng, rid)),
             F.throughput_figure(series), F.memory_figure(series),
             F.modality_figure(reports.modality_series(eng, rid),
                               series.get("packing")))
+
+
+_MAX_MARKS = 200  # recompile markers drawn on the step-time chart
+
+
+def _mark_recompiles(fig: dict[str, Any], comp: dict[str, Any] | None) -> dict[str, Any]:
+    """Steps that recompiled as vertical dotted lines on the step-time decomposition (the first
+    ``_MAX_MARKS``), with a hoverable "recompile" legend entry."""
+    steps = (comp or {}).get("recompile_steps") or []
+    if not steps or not fig.get("data"):
+        return fig
+    steps = steps[:_MAX_MARKS]
+    color = "#CC79A7"
+    lay = fig.setdefault("layout", {})
+    lay["shapes"] = [*lay.get("shapes", []), *({"type": "line", "xref": "x", "x0": s, "x1": s, "yref": "y domain",
+                                                "y0": 0, "y1": 1, "line": {"color": color, "width": 1, "dash": "dot"}}
+                                               for s in steps)]
+    fig["data"] = [*fig["data"], {"type": "scatter", "x": steps, "y": [0] * len(steps), "mode": "markers",
+                                  "name": "recompile", "marker": {"symbol": "triangle-up", "size": 8, "color": color},
+                                  "hovertemplate": "recompiled at step %{x}<extra></extra>"}]
+    return fig
+
+
+def _at_steps(n: int) -> str:
+    return f"at {n:,} step{'' if n == 1 else 's'}"
+
+
+def _reason_rows(items: list[dict[str, Any]], n: int = 8) -> list[list[Any]]:
+    return [[html.Span(r["reason"][:160] + ("…" if len(r["reason"]) > 160 else ""), title=r["reason"]),
+             f"{r['count']:,}"] for r in items[:n]]
+
+
+@callback(Output(COMPILE, "children"), Input(RUN, "data"))
+def _compile(rid: int) -> Any:
+    """torch.compile health: compiles, recompiles, graph breaks, compile time and the top reasons
+    (nothing for a run without compile events)."""
+    comp = reports.run_compile(_state.engine(), rid)
+    if comp is None:
+        return None
+    tiles = [kpi("compiles", f"{comp['compiles']:,}", f"max over {comp['ranks']:,} ranks"),
+             kpi("recompiles", f"{comp['recompiles']:,}", _at_steps(len(comp["recompile_steps"])),
+                 tone="bad" if comp["recompiles"] else None),
+             kpi("graph breaks", f"{comp['graph_breaks']:,}", "distinct reasons"),
+             kpi("compile time", fmt_s(comp["compile_s"]), "max over ranks")]
+    if comp.get("cudagraph_replays"):
+        tiles.append(kpi("CUDA-graph replays", fmt_num(comp["cudagraph_replays"])))
+    reasons = comp.get("reasons") or {}
+    tables = [html.Div(simple_table([title, "count"], _reason_rows(reasons.get(kind) or []), numeric=(1,),
+                                    tid=f"run-compile-{kind.replace('_', '-')}"), className="fs-col-6 fs-scroll")
+              for kind, title in (("recompile", "recompile reason (guard that failed)"), ("graph_break", "graph break"))
+              if reasons.get(kind)]
+    return section("Compile", [kpi_strip(tiles), html.Div(tables, className="fs-row") if tables else None,
+                               html.Div("Steps that recompiled are marked on the step-time chart.", className="fs-footnote")
+                               if comp["recompile_steps"] else None], sid="run-compile-section")
 
 
 @callback(Output(HEATMAP, "figure"), Input(RUN, "data"), Input(HEAT_FIELD, "value"), Input(HEAT_AGG, "value"))

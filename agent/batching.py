@@ -83,7 +83,12 @@ def build_batch(items: list[Item]) -> tuple[Batch, int, dict[str, int]]:
         if not rs:
             continue
         required = _REQUIRED[section]
-        good = [r for r in rs if _good_row(r, len(fields), required)]
+        width = len(fields)
+        if any(isinstance(r, tuple) and len(r) < width for r in rs):
+            # a row made for an older field list: the optional fields added since are not measured
+            first_req = max((i for i, _ in required), default=-1)
+            rs = [r + (None,) * (width - len(r)) if isinstance(r, tuple) and first_req < len(r) < width else r for r in rs]
+        good = [r for r in rs if _good_row(r, width, required)]
         if len(good) < len(rs):
             dropped["malformed"] = dropped.get("malformed", 0) + len(rs) - len(good)
         if not good:

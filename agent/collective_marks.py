@@ -25,7 +25,7 @@ _get_ident = threading.get_ident
 _time = time.time
 
 
-def coll_begin(run: StepMachine, op: str, n: int, nbytes: int, sync: bool) -> Call:
+def coll_begin(run: StepMachine, op: str, n: tuple[int, str], nbytes: int, sync: bool) -> Call:
     """A collective is being issued (any thread). A blocking one on the training thread (and, on
     GPU, on the loop's stream) pushes the exposed-comm state, sharing the issue mark."""
     clock = run._clock
@@ -43,7 +43,7 @@ def coll_begin(run: StepMachine, op: str, n: int, nbytes: int, sync: bool) -> Ca
     return call
 
 
-def gap_call(run: StepMachine, op: str, n: int, nbytes: int, sync: bool, kind: int) -> Call:
+def gap_call(run: StepMachine, op: str, n: tuple[int, str], nbytes: int, sync: bool, kind: int) -> Call:
     """A collective outside any step: recorded with the next step, not counted in its time."""
     clock = run._clock
     if clock is None:
@@ -103,7 +103,7 @@ def wait_end(run: StepMachine, call: Call, token: tuple[Mark, bool]) -> None:
         call[C_DONE] = m
 
 
-def ddp_issue(run: StepMachine, n: int, nbytes: int) -> Call:
+def ddp_issue(run: StepMachine, n: tuple[int, str], nbytes: int) -> Call:
     """A DDP gradient bucket's all-reduce is being issued (from the autograd thread)."""
     st = run._step
     if run._clock is None or st is None:

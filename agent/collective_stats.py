@@ -37,7 +37,7 @@ K_FAST = 16  # a blocking call timed by the wrapper's fast path (collectives.py)
 K_SYNC_FAST = K_TRAINING | K_FAST
 
 Call = list[Any]
-"""A call record ``[op, group size, bytes, issue mark, done mark | None, [(wait start, wait end)] |
+"""A call record ``[op, (group size, dim), bytes, issue mark, done mark | None, [(wait start, wait end)] |
 None, K_* bits, state at issue, start ts | None]``, indexed by ``C_*``. A list because completion
 callbacks fill ``C_DONE`` and waits append to ``C_EXPOSED``; the wrappers' fast path appends a tuple
 of the same layout instead (complete when appended)."""
@@ -74,7 +74,7 @@ class CollectiveStats:
         comm_total = 0
         incomplete = 0
         seq = 0
-        for op, n, nbytes, issue, done, pairs, kind, state, ts in (*pre, *st.calls) if n_pre else st.calls:
+        for op, (n, dim), nbytes, issue, done, pairs, kind, state, ts in (*pre, *st.calls) if n_pre else st.calls:
             if kind == K_SYNC_FAST and seq >= n_pre:
                 # the wrapper's fast path: a complete blocking call, exposed throughout
                 total = done - issue
@@ -83,7 +83,7 @@ class CollectiveStats:
                     durs[state] -= total
                     durs[COMM] += total
                 t = total / 1e9
-                submit("collective", (rank, index, seq, op, n, nbytes, 1, t, t, ts0 + (issue - origin) / 1e9))
+                submit("collective", (rank, index, seq, op, n, nbytes, 1, t, t, ts0 + (issue - origin) / 1e9, dim))
                 seq += 1
                 continue
             if pairs is None and done is not None:
@@ -106,13 +106,13 @@ class CollectiveStats:
                 elif kind & K_TRAINING:
                     exposed = total
             if ts is None:
-                ts = ts0 + (issue - origin) / 1e9
+                ts = ts0 + (issue - origin) / 1e9 if origin is not None else ts0
             if seq >= n_pre:
                 comm_total += total
                 if kind & K_FAST and durs is not None:
                     durs[state] -= total
                     durs[COMM] += total
-            submit("collective", (rank, index, seq, op, n, nbytes, 1, total / 1e9, exposed / 1e9, ts))
+            submit("collective", (rank, index, seq, op, n, nbytes, 1, total / 1e9, exposed / 1e9, ts, dim))
             seq += 1
         if incomplete:
             self.counters["collectives_incomplete"] += incomplete
@@ -174,7 +174,7 @@ class CollectiveStats:
                 exposed = total
             ts = c[C_TS]
             if ts is None:  # in-step call: the step's start time plus the issue's offset
-                ts = ts0 + (issue - origin if cpu else el(origin, issue)) / 1e9
+                ts = ts0 + (issue - origin if cpu else el(origin, issue)) / 1e9 if origin is not None else ts0
             if i >= n_pre:
                 comm_total += total
                 if kind & K_DDP and done is not None:
@@ -196,12 +196,12 @@ class CollectiveStats:
         rank = self.rank
         submit = self._submit
         if len(rows) <= self.agg_threshold:
-            for seq, (op, n, b, total, exposed, ts) in enumerate(rows):
-                submit("collective", (rank, index, seq, op, n, b, 1, total / 1e9, exposed / 1e9, ts))
+            for seq, (op, (n, dim), b, total, exposed, ts) in enumerate(rows):
+                submit("collective", (rank, index, seq, op, n, b, 1, total / 1e9, exposed / 1e9, ts, dim))
             return
-        agg: dict[tuple[str, int, int], list[Any]] = {}
-        for op, n, b, total, exposed, ts in rows:
-            key = (op, n, b.bit_length())  # size bucket: power of 2 of the message bytes
+        agg: dict[tuple[str, tuple[int, str], int], list[Any]] = {}
+        for op, g, b, total, exposed, ts in rows:
+            key = (op, g, b.bit_length())  # size bucket: power of 2 of the message bytes
             a = agg.get(key)
             if a is None:
                 agg[key] = [b, 1, total, exposed, ts]
@@ -212,8 +212,8 @@ class CollectiveStats:
                 a[3] += exposed
                 if ts < a[4]:
                     a[4] = ts
-        for seq, ((op, n, _bucket), (b, calls_n, total, exposed, ts)) in enumerate(agg.items()):
-            submit("collective", (rank, index, seq, op, n, b, calls_n, total / 1e9, exposed / 1e9, ts))
+        for seq, ((op, (n, dim), _bucket), (b, calls_n, total, exposed, ts)) in enumerate(agg.items()):
+            submit("collective", (rank, index, seq, op, n, b, calls_n, total / 1e9, exposed / 1e9, ts, dim))
 
 
 def _ddp_tail(

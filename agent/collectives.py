@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -74,7 +75,7 @@ _orig: dict[str, _Fn] = {}  # name -> original function
 _patched: dict[tuple[str, str], _Fn] = {}  # (module, name) -> wrapper installed there
 _orig_wait: _Fn | None = None
 _works: weakref.WeakKeyDictionary[Any, tuple[StepMachine, Call]] = weakref.WeakKeyDictionary()  # work -> its call
-_sizes: dict[Any, int] = {}
+_sizes: dict[Any, GroupInfo] = {}  # group -> (size, dim)
 _c10d: Any = None  # torch.distributed.distributed_c10d, bound by install()
 
 
@@ -91,19 +92,112 @@ def installed() -> bool:
     return bool(_patched)
 
 
-def _group_size(group: Any) -> int:
-    """Ranks in ``group`` (None: the default group), cached per group object."""
+GroupInfo = tuple[int, str]
+"""(ranks in the group — -1 when this rank is not in it —, its dimension label): slot ``C_N`` of a call."""
+
+_MAX_GROUPS = 1024
+_mesh_dims: dict[str, str] = {}  # process-group name -> DeviceMesh dim name (mesh_watch below)
+_labels_sent: set[str] = set()  # group names already described by a "comm_group" event
+
+
+def _group_info(group: Any) -> GroupInfo:
+    """(size, dimension) of ``group`` (None: the default group), cached per group object."""
     if group is None:
         group = _c10d.GroupMember.WORLD
         if group is None:
-            return int(_c10d.get_world_size(None))  # raises "not initialized" like the call would
-    n = _sizes.get(group)
-    if n is None:
+            return int(_c10d.get_world_size(None)), "world"  # raises "not initialized" like the call would
+    info = _sizes.get(group)
+    if info is None:
         n = int(_c10d.get_world_size(group))
-        if len(_sizes) > 1024:
+        dim = "world"
+        try:
+            dim = group_label(group)
+        except Exception as e:  # noqa: BLE001 - the label is best effort, the record is not
+            log.debug("fleetscope: no label for a process group (%r)", e)
+        info = (n, dim)
+        if len(_sizes) > _MAX_GROUPS:
             _sizes.clear()
-        _sizes[group] = n
-    return n
+        _sizes[group] = info
+        if n > 0:
+            _describe(group, n, dim)
+    return info
+
+
+_group_size = _group_info  # the wrappers' name for it
+
+
+def group_label(group: Any) -> str:
+    """The parallel dimension a process group belongs to, the same on every rank of that dimension:
+
+    1. the DeviceMesh dim name the job gave it (``mesh_dim_names``; recorded when the mesh was made,
+       or read from the group's description ``mesh_<name>`` that DeviceMesh sets);
+    2. ``"world"`` for the default group (all ranks);
+    3. else a stable id from its shape: ``g<size>s<stride>`` (e.g. ``g2s1`` for [0,1] and [2,3])."""
+    name = _group_name(group)
+    if name is not None:
+        dim = _mesh_dims.get(name)
+        if dim is not None:
+            return dim
+    desc = getattr(group, "group_desc", None)
+    if isinstance(desc, str) and desc.startswith("mesh_") and desc not in ("mesh_default",):
+        return desc[5:][:48]
+    world = _c10d.GroupMember.WORLD
+    if group is world:
+        return "world"
+    ranks = _group_ranks(group)
+    if ranks is not None and world is not None and len(ranks) == _c10d.get_world_size(world):
+        return "world"
+    if ranks and len(ranks) > 1:
+        stride = ranks[1] - ranks[0]
+        if all(b - a == stride for a, b in zip(ranks, ranks[1:], strict=False)):
+            return f"g{len(ranks)}s{stride}"
+        return f"g{len(ranks)}"
+    return f"g{len(ranks) if ranks else 0}"
+
+
+def _group_name(group: Any) -> str | None:
+    try:
+        name = group.group_name
+        return str(name) if name is not None else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _group_ranks(group: Any) -> list[int] | None:
+    try:
+        return sorted(int(r) for r in _c10d.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _describe(group: Any, n: int, dim: str) -> None:
+    """One ``comm_group`` event per group this rank uses: its dimension, size and global ranks (at
+    most 256 listed), so the server can tell whether the group spans nodes."""
+    run = _run
+    name = _group_name(group) or dim
+    if run is None or name in _labels_sent or len(_labels_sent) >= 64:
+        return
+    _labels_sent.add(name)
+    ranks = _group_ranks(group) or []
+    try:
+        run._event("comm_group", None, {"dim": dim, "size": n, "ranks": ranks[:256], "group": name[:64]})
+    except Exception as e:  # noqa: BLE001
+        log.debug("fleetscope: comm_group event failed (%r)", e)
+
+
+def register_mesh(mesh: Any) -> None:
+    """Name the process groups of a DeviceMesh by its dim names (called for every mesh made)."""
+    try:
+        names = getattr(mesh, "mesh_dim_names", None)
+        for i in range(mesh.ndim):
+            dim = str(names[i]) if names else f"mesh_dim_{i}"
+            pg = mesh.get_group(i)
+            name = _group_name(pg)
+            if name is not None and len(_mesh_dims) < _MAX_GROUPS:
+                _mesh_dims[name] = dim[:48]
+                _sizes.pop(pg, None)  # label it anew
+    except Exception as e:  # noqa: BLE001
+        log.debug("fleetscope: DeviceMesh not registered (%r)", e)
 
 
 def _nbytes_list(x: Any) -> int:
@@ -178,8 +272,8 @@ def _make_generic(fn: _Fn, op: str, rule: str, always_async: bool, params: list[
                 group = _c10d.GroupMember.WORLD  # the default group (re-created by destroy + init)
             n = _sizes.get(group)
             if n is None:
-                n = _group_size(group)
-            if n > 0:  # -1: this rank is not in the group, nothing happens
+                n = _group_info(group)
+            if n[0] > 0:  # -1: this rank is not in the group, nothing happens
                 if always_async:
                     sync = False
                 elif ai < nargs:
@@ -254,7 +348,7 @@ def _fs_factory(_fs_fn, _fs_generic, _fs_op, _fs_rule{defaults}):
                 _fs_bytes = {nbytes}
             except Exception as _fs_e:  # the generic wrapper records the error and calls
                 return _fs_generic({args})
-            if _fs_n <= 0:  # this rank is not in the group: nothing happens
+            if _fs_n[0] <= 0:  # this rank is not in the group: nothing happens
                 return _fs_fn({args})
             _fs_mark = _fs_run._mark
             _fs_run._in_coll = True
@@ -389,9 +483,42 @@ def install(run: StepMachine) -> bool:
         if work_cls is not None and _orig_wait is None:
             _orig_wait = work_cls.wait
             work_cls.wait = _timed_wait
+        _watch_meshes()
     _sizes.clear()
+    _labels_sent.clear()
     _run = run
     return True
+
+
+_mesh_init: Any = None  # DeviceMesh.__init__ before it was wrapped
+
+
+def _watch_meshes() -> None:
+    """Name the groups of every DeviceMesh made from now on (``register_mesh``)."""
+    global _mesh_init
+    mod = sys.modules.get("torch.distributed.device_mesh")
+    cls = getattr(mod, "DeviceMesh", None) if mod is not None else None
+    if cls is None or _mesh_init is not None or not isinstance(cls, type):
+        return
+    init = cls.__dict__["__init__"]
+    _mesh_init = init
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if _run is not None:
+            register_mesh(self)
+
+    __init__.__wrapped__ = init  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[misc]
+
+
+def _unwatch_meshes() -> None:
+    global _mesh_init
+    mod = sys.modules.get("torch.distributed.device_mesh")
+    cls = getattr(mod, "DeviceMesh", None) if mod is not None else None
+    if cls is not None and _mesh_init is not None and getattr(cls.__dict__.get("__init__"), "__wrapped__", None) is _mesh_init:
+        cls.__init__ = _mesh_init  # type: ignore[misc]
+    _mesh_init = None
 
 
 def uninstall(run: StepMachine | None = None) -> None:
@@ -400,8 +527,7 @@ def uninstall(run: StepMachine | None = None) -> None:
     if run is not None and _run is not run:
         return
     _run = None
-    import sys
-
+    _unwatch_meshes()
     for (modname, name), w in list(_patched.items()):
         mod = sys.modules.get(modname)
         if mod is not None and getattr(mod, name, None) is w:
@@ -435,7 +561,7 @@ def ddp_allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]
     call = None
     if run is not None:
         try:
-            call = ddp_issue(run, n, int(tensor.nbytes))
+            call = ddp_issue(run, _group_info(group), int(tensor.nbytes))
         except Exception as e:  # noqa: BLE001
             run._error("ddp_hook", e)
     all_reduce = _orig.get("all_reduce", dist.all_reduce)

@@ -25,6 +25,7 @@ and end in ``_error``: counted, logged once per place, never raised into the tra
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -159,6 +160,8 @@ class StepMachine:
         if where not in self._errors_logged:
             self._errors_logged.add(where)
             log.warning("fleetscope agent: internal error in %s (counted, ignored): %r", where, exc)
+            if os.environ.get("FLEETSCOPE_DEBUG"):
+                log.warning("fleetscope agent: traceback", exc_info=exc)
 
     def _event(self, kind: str, step: int | None, data: dict[str, Any]) -> None:
         """Submit a run event (``Run.event``); ``seq`` counts up per rank. Nothing after finish."""

@@ -238,9 +238,11 @@ class Run(StepMachine):
             return  # torch not imported (yet): retried at the next step
         self._collectives_tried = True
         try:
-            from . import collectives
+            from . import collectives, funcol
 
             self._collectives_installed = collectives.install(self)
+            if self._collectives_installed:
+                funcol.install()  # DTensor's collectives, when its module is imported
         except Exception as e:  # noqa: BLE001
             self._error("collectives", e)
 
@@ -268,8 +270,10 @@ class Run(StepMachine):
         self._hooks = []
         if self._collectives_installed:
             try:
-                from . import collectives
+                from . import collectives, funcol
 
+                if collectives._run is self:
+                    funcol.uninstall()
                 collectives.uninstall(self)
             except Exception as e:  # noqa: BLE001
                 self._error("collectives", e)

@@ -84,7 +84,7 @@ def _loop(mode: str, n: int) -> None:
         GroupMember=types.SimpleNamespace(WORLD=world),
         get_world_size=lambda g: 1,
     )
-    collectives._sizes[world] = 1
+    collectives._sizes[world] = (1, "world")
     all_reduce = collectives._make_wrapper("all_reduce", _noop_all_reduce)
     collectives._run = run
     run._collectives_installed = True

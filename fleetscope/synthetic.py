@@ -183,9 +183,9 @@ def collective_rows(spec: RunSpec, step: int, rank_rows: list[tuple]) -> list[tu
         r = row[0]
         total, exposed = row[i_total], row[i_exp]
         # four records per rank-step: bucketed gradient all-reduce (two size buckets), an all-gather, a barrier
-        split = [(0, "all_reduce", grad_bytes * 6, 6, 0.7), (1, "all_reduce", grad_bytes * 2 // 4, 2, 0.2),
-                 (2, "all_gather", 4 << 20, 1, 0.08), (3, "barrier", 0, 1, 0.02)]  # fmt: skip
-        for seq, op, nbytes, calls, share in split:
-            out.append((r, step, seq, op, n, int(nbytes), calls, total * share, exposed * share, row[i_ts]))
+        split = [(0, "all_reduce", grad_bytes * 6, 6, 0.7, "dp"), (1, "all_reduce", grad_bytes * 2 // 4, 2, 0.2, "dp"),
+                 (2, "all_gather", 4 << 20, 1, 0.08, "dp"), (3, "barrier", 0, 1, 0.02, "world")]  # fmt: skip
+        for seq, op, nbytes, calls, share, dim in split:
+            out.append((r, step, seq, op, n, int(nbytes), calls, total * share, exposed * share, row[i_ts], dim))
     del b
     return out

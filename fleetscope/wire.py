@@ -117,6 +117,8 @@ COLLECTIVE_FIELDS: tuple[Field, ...] = (
     Field("total_s", "float", True, doc="summed duration of the calls"),
     Field("exposed_s", "float", doc="part of total_s the training thread waited for"),
     Field("start_ts", "float", doc="unix time the first call was issued (lateness)"),
+    Field("dim", "str", doc="the group's parallel dimension: its DeviceMesh dim name (dp, tp, pp, ...), "
+          "'world' for the default group, else a stable group id (g<size>s<stride>); absent: unknown"),
 )
 
 MODALITY_FIELDS: tuple[Field, ...] = (
@@ -165,6 +167,12 @@ def columns_from_rows(rows: list[tuple], fields: tuple[Field, ...], *, binary: b
     import sys
     from array import array
 
+    width = len(fields)
+    if rows and any(len(r) < width for r in rows):
+        # rows made for an older field list: the optional fields added at the end are not measured
+        if any(f.required for f in fields[min(len(r) for r in rows):]):
+            raise ValueError("a row lacks a required field")
+        rows = [tuple(r) + (None,) * (width - len(r)) for r in rows]
     cols = list(zip(*rows, strict=True)) if rows else [() for _ in fields]
     out: dict[str, Any] = {}
     nan = float("nan")

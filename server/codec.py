@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import zstandard
 
 __all__ = [
+    "dim_code",
     "CopyLayout",
     "RAW_STEP_LAYOUT",
     "RAW_COLL_LAYOUT",
@@ -28,6 +29,12 @@ __all__ = [
     "FRAG_STEP_FIELDS",
     "FRAG_COLL_FIELDS",
 ]
+
+def dim_code(name: str) -> int:
+    """The code a parallel-dimension name is stored under in collective blocks (crc32, never 0: 0
+    means "unknown"); the names are kept per run in ``run_dims``."""
+    return (zlib.crc32(name.encode()) & 0x7FFFFFFF) or 1
+
 
 _HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)
 _TRAILER = struct.pack(">h", -1)
@@ -138,6 +145,7 @@ COLL_BLOCK_FIELDS: tuple[tuple[str, str], ...] = (
     ("total_s", "<f4"),
     ("exposed_s", "<f4"),
     ("start_ts", "<f8"),
+    ("dim", "<i4"),  # the group's dimension (dim_code); 0: unknown. Added later: older blocks decode as 0
 )
 
 #: landing fragments: the block fields plus the step (a batch spans steps)
@@ -190,6 +198,10 @@ def decode_block(fields: Sequence[tuple[str, str]], blob: bytes) -> dict[str, np
     off = 0
     for name, dt in fields:
         size = np.dtype(dt).itemsize
+        if off + n * size > len(raw):
+            # a field appended after this block was written (e.g. the collectives' dim): zeros
+            out[name] = np.zeros(n, dtype=np.float64 if np.dtype(dt).kind == "f" else np.int64)
+            continue
         chunk = np.frombuffer(raw, dtype=np.uint8, count=n * size, offset=off)
         a = chunk.reshape(size, n).T.copy().view(dt).reshape(n)
         out[name] = a.astype(np.float64) if a.dtype.kind == "f" else a.astype(np.int64)

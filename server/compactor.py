@@ -33,6 +33,7 @@ from .codec import (
 )
 from .grouped import grouped_median, grouped_medians
 from .store import compaction as store
+from .validate import OP_CODE
 
 __all__ = ["Compactor", "CompactionResult", "grouped_median", "bits_of"]
 
@@ -347,7 +348,7 @@ class Compactor:
             calls = np.maximum(C["calls"][newc], 1)
             per_call = C["bytes"][newc] / calls
             bucket = np.floor(np.log2(np.maximum(per_call, 1))).astype(np.int64)
-            keys = (C["run_id"][newc], C["op"][newc], C["group_size"][newc], bucket)
+            keys = (C["run_id"][newc], C["op"][newc], C["group_size"][newc], bucket, C["dim"][newc])
             order = np.lexsort(keys[::-1])
             sk = np.stack([k[order] for k in keys], axis=1)
             first = np.r_[True, np.any(sk[1:] != sk[:-1], axis=1)]
@@ -365,11 +366,13 @@ class Compactor:
             store.upsert_run_collectives(
                 cur,
                 [
-                    (int(u[0]), int(u[1]), int(u[2]), int(u[3]), int(agg[0][i]), int(agg[1][i]), float(agg[2][i]),
-                     float(agg[3][i]), float(agg[4][i]))
+                    (int(u[0]), int(u[1]), int(u[2]), int(u[3]), int(u[4]), int(agg[0][i]), int(agg[1][i]),
+                     float(agg[2][i]), float(agg[3][i]), float(agg[4][i]))
                     for i, u in enumerate(uniq)
                 ],
             )
+        if len(C["rank"]):
+            store.upsert_step_comm(cur, step_comm_rows(C, cgid, gkeys, n_ranks))
         writer = store.RollupWriter(cur)
         for fold in self.folds:
             fold(writer, S=S, C=C, gid=gid, cgid=cgid, gkeys=gkeys)
@@ -402,6 +405,52 @@ class Compactor:
             all_ranks = np.array(sorted(have | set(add)))
             rows.append((key[0], key[1], key[2], sum(add.values()), bits_of(all_ranks)))
         store.upsert_modalities(cur, rows)
+
+
+_P2P_OPS = np.array([OP_CODE["send"], OP_CODE["recv"]])
+P2P_DIM = -1
+"""``step_comm.dim`` of the row that sums every point-to-point call (send/recv) of a step: the
+pipeline bubble (time a stage waits on its neighbours)."""
+
+
+def step_comm_rows(C: dict[str, np.ndarray], cgid: np.ndarray, gkeys: np.ndarray,
+                   n_ranks: np.ndarray) -> list[tuple[int, int, int, float, float, float, float]]:
+    """Per (step, dimension): the cross-rank medians of each rank's summed calls, bytes, total and
+    exposed seconds (a rank of the step without a call in that dimension counts 0); plus the same
+    for the step's send/recv calls under ``P2P_DIM``. ``C`` holds every row of the steps (stored and
+    new), ``cgid`` their step group, ``n_ranks`` the ranks with a rank-step in each group."""
+    dims = C["dim"].astype(np.int64)
+    p2p = np.isin(C["op"], _P2P_OPS)
+    gid = np.concatenate([cgid, cgid[p2p]])
+    dim = np.concatenate([dims, np.full(int(p2p.sum()), P2P_DIM)])
+    rank = np.concatenate([C["rank"], C["rank"][p2p]])
+    vals = [np.concatenate([C[c], C[c][p2p]]) for c in ("calls", "bytes", "total_s")]
+    vals.append(np.nan_to_num(np.concatenate([C["exposed_s"], C["exposed_s"][p2p]])))
+    order = np.lexsort((rank, dim, gid))
+    gid, dim, rank = gid[order], dim[order], rank[order]
+    vals = [v[order] for v in vals]
+    # per (group, dim, rank) sums
+    new = np.r_[True, (np.diff(gid) != 0) | (np.diff(dim) != 0) | (np.diff(rank) != 0)]
+    starts = np.flatnonzero(new)
+    sums = [np.add.reduceat(v, starts) for v in vals]
+    g1, d1 = gid[starts], dim[starts]
+    # per (group, dim): median over the step's ranks
+    new2 = np.r_[True, (np.diff(g1) != 0) | (np.diff(d1) != 0)]
+    s2 = np.r_[np.flatnonzero(new2), len(g1)]
+    out = []
+    for a, b in zip(s2[:-1], s2[1:], strict=True):
+        g = int(g1[a])
+        k = b - a
+        n = max(int(n_ranks[g]), k)
+        meds = []
+        for v in sums:
+            x = v[a:b]
+            if n > k:
+                x = np.concatenate([x, np.zeros(n - k)])
+            meds.append(float(np.median(x)))
+        key = int(gkeys[g])
+        out.append((key >> 32, key & 0xFFFFFFFF, int(d1[a]), meds[0], meds[1], meds[2], meds[3]))
+    return out
 
 
 def _decode_frags(frags: list[tuple[Any, ...]], col: int, fields: tuple[tuple[str, str], ...]) -> dict[str, np.ndarray]:

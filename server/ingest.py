@@ -24,7 +24,7 @@ from sqlalchemy import Engine
 
 from fleetscope.wire import MSGPACK_CONTENT_TYPE
 
-from .codec import FRAG_COLL_FIELDS, FRAG_STEP_FIELDS, encode_block
+from .codec import FRAG_COLL_FIELDS, FRAG_STEP_FIELDS, dim_code, encode_block
 from .store import landing
 from .store import runs as run_store
 from .validate import BatchError, ValidBatch, validate_batch
@@ -135,6 +135,7 @@ class IngestService:
     def __init__(self, engine: Engine, *, concurrency: int = 4, queue: int = 32, backlog_max_rows: int = 5_000_000,
                  max_batch_records: int = 1_000_000) -> None:
         self.engine = engine
+        self._dims_known: set[tuple[int, int]] = set()  # (run, dim code) already in run_dims
         self.admission = Admission(concurrency, queue)
         self.backlog_max_rows = backlog_max_rows
         self.max_batch_records = max_batch_records
@@ -192,9 +193,29 @@ class IngestService:
 
     def _write(self, b: ValidBatch) -> None:
         t0 = time.perf_counter()
+        dims = dim_names(b)
+        new_dims = [(c, n) for c, n in dims.items() if (b.run_id, c) not in self._dims_known]
         landing.land_batch(self.engine, b.run_id, fragment=encode_fragment(b), modality_tokens=b.modality_tokens or None,
-                           ranks=b.ranks, events=b.events)
+                           ranks=b.ranks, events=b.events, dims=new_dims)
+        if new_dims:
+            if len(self._dims_known) > 100_000:
+                self._dims_known.clear()
+            self._dims_known.update((b.run_id, c) for c, _ in new_dims)
         log.debug("wrote batch run=%s records=%d in %.1f ms", b.run_id, b.n_records, (time.perf_counter() - t0) * 1e3)
+
+
+def dim_codes(names: np.ndarray) -> np.ndarray:
+    """The stored codes of a collectives' dim column (None → 0, unknown)."""
+    codes = {v: (dim_code(v) if v is not None else 0) for v in set(names.tolist())}
+    return np.fromiter((codes[v] for v in names.tolist()), dtype=np.int32, count=len(names))
+
+
+def dim_names(b: ValidBatch) -> dict[int, str]:
+    """{code: name} of the dimensions a batch's collectives name."""
+    cs = b.collectives
+    if not cs or "dim" not in cs:
+        return {}
+    return {dim_code(v): v for v in set(cs["dim"].tolist()) if v is not None}
 
 
 def encode_fragment(b: ValidBatch) -> tuple[int, int, int, int, bytes | None, bytes | None] | None:
@@ -216,6 +237,7 @@ def encode_fragment(b: ValidBatch) -> tuple[int, int, int, int, bytes | None, by
         n_cs = len(cs["rank"])
         nan = np.full(n_cs, np.nan)
         cols = {name: cs.get(name, nan) for name, _ in FRAG_COLL_FIELDS}
+        cols["dim"] = dim_codes(cs["dim"]) if "dim" in cs else np.zeros(n_cs, dtype=np.int32)
         cs_blob = encode_block(FRAG_COLL_FIELDS, cols, compress=True)
         steps_all.append(cs["step"])
     st = np.concatenate(steps_all)

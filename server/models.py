@@ -185,8 +185,31 @@ class RunCollective(Base):
     op: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     group_size: Mapped[int] = mapped_column(Integer, primary_key=True)
     size_bucket: Mapped[int] = mapped_column(SmallInteger, primary_key=True)  # floor(log2(bytes/call))
+    dim: Mapped[int] = mapped_column(Integer, primary_key=True, server_default="0")  # codec.dim_code; 0: unknown
     records: Mapped[int] = mapped_column(BigInteger)
     calls: Mapped[int] = mapped_column(BigInteger)
+    bytes: Mapped[float] = mapped_column(Double)
+    total_s: Mapped[float] = mapped_column(Double)
+    exposed_s: Mapped[float] = mapped_column(Double)
+
+
+class RunDim(Base):
+    """The names of a run's parallel dimensions, by the code collective blocks store."""
+
+    __tablename__ = "run_dims"
+    run_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    code: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64))
+
+
+class StepComm(Base):
+    """Per step and dimension: cross-rank medians of the per-rank communication sums (dim -1: send/recv)."""
+
+    __tablename__ = "step_comm"
+    run_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    dim: Mapped[int] = mapped_column(Integer, primary_key=True)
+    calls: Mapped[float] = mapped_column(Double)
     bytes: Mapped[float] = mapped_column(Double)
     total_s: Mapped[float] = mapped_column(Double)
     exposed_s: Mapped[float] = mapped_column(Double)

@@ -137,10 +137,13 @@ def _column(section: str, f: Field, values: Any, n: int, index_map: list[int] | 
                     got=values[i],
                 )
             return codes
-        bad = next((i for i, v in enumerate(values) if not isinstance(v, str)), None)
+        optional_null = not f.required and f.name == "dim"  # null: the dimension is not known
+        bad = next((i for i, v in enumerate(values) if not isinstance(v, str) and not (optional_null and v is None)), None)
         if bad is not None:
             raise BatchError(_loc(section, bad, f.name, index_map), "must be a string", got=values[bad])
         for i, v in enumerate(values):
+            if v is None:
+                continue
             try:
                 check_text(v, f.name, max_len=64)
             except UnsafeValue as e:

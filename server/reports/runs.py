@@ -8,6 +8,9 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from fleetscope.wire import COLLECTIVE_OPS
+
+from ..analysis import parallel
 from ..analysis.bottlenecks import bottleneck_report, data_stall_ranks, summary_bottlenecks
 from ..analysis.collectives import collective_efficiency as _efficiency
 from ..analysis.collectives import collective_rows
@@ -168,7 +171,55 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
         "stragglers": summary_stragglers(_stragglers(engine, run, fig)),
         "bottlenecks": summary_bottlenecks(_bottlenecks(engine, run, fig)),
         "compile": run_compile(engine, run.id),  # read fresh: events land after the steps
+        **_parallel(engine, run, fig),
     }
+
+
+_PIPELINE_STEPS = 200  # recent steps the per-stage figures are taken over
+
+
+def _parallel(engine: Engine, run: RunRow, fig: RunFigures) -> dict[str, Any]:
+    """``comm_by_dim``, ``pipeline`` and ``parallel_findings`` of the summary (``analysis.parallel``)."""
+
+    def compute() -> dict[str, Any]:
+        rows = collectives.step_comm(engine, run.id)
+        by_dim = parallel.comm_by_dim(rows)
+        evs = events.events_of_kind(engine, run.id, ("pp_stage", "pp_schedule", "comm_group"))
+        stage_evs = [(r, d) for r, k, _s, d in evs if k == "pp_stage"]
+        for _r, k, _s, d in evs:
+            if k == "pp_schedule":  # the schedule's micro-batches and name apply to every stage
+                for _, sd in stage_evs:
+                    sd.setdefault("n_microbatches", d.get("n_microbatches"))
+                    sd.setdefault("schedule", d.get("schedule"))
+        pipeline = None
+        if stage_evs:
+            stage_of: dict[int, int] = {}
+            for r, d in stage_evs:
+                st = d.get("stage")
+                if isinstance(st, int):
+                    stage_of[r] = min(st, stage_of.get(r, st))
+            blocks = steps.recent_comm_blocks(engine, run.id, _PIPELINE_STEPS)
+            per_stage = parallel.stage_figures(stage_of, blocks, [COLLECTIVE_OPS.index("send"), COLLECTIVE_OPS.index("recv")])
+            pipeline = parallel.pipeline_summary(stage_evs, rows, fig.step_s, per_stage)
+        spans = parallel.group_spans([(r, d) for r, k, _s, d in evs if k == "comm_group"], _hosts(engine, run.id))
+        top_ops: dict[str, str] = {}
+        best: dict[str, float] = {}
+        for c in collectives.run_collectives(engine, run.id):
+            dim = parallel.dim_label(c.dim, c.group_size, run.world_size)
+            if c.exposed_s > best.get(dim, -1.0):
+                best[dim] = c.exposed_s
+                top_ops[dim] = c.op
+        findings = parallel.dim_findings(by_dim, fig.step_s, spans, top_ops, pipeline)
+        for dim, v in by_dim.items():
+            if dim in spans:
+                v["nodes"] = spans[dim]
+        return {"comm_by_dim": by_dim, "pipeline": pipeline, "parallel_findings": findings}
+
+    return _cache.cached("parallel", engine, run, compute)
+
+
+def _hosts(engine: Engine, run_id: int) -> dict[int, tuple[str | None, str | None]]:
+    return ranks.hosts(engine, run_id)
 
 
 def bottlenecks(engine: Engine, run_id: int) -> dict[str, Any] | None:
@@ -197,8 +248,12 @@ def collective_efficiency(engine: Engine, run_id: int) -> dict[str, Any] | None:
 
 
 def run_collectives(engine: Engine, run_id: int) -> list[dict[str, Any]]:
-    """The run's collectives by op × group × message size with algbw/busbw, most time first."""
-    return collective_rows(collectives.run_collectives(engine, run_id))
+    """The run's collectives by op × group × message size × dimension with algbw/busbw, most time first."""
+    run = run_store.get_run(engine, run_id, pending=False)
+    ws = run.world_size if run is not None else None
+    rows = collectives.run_collectives(engine, run_id)
+    return [{**row, "dim": parallel.dim_label(c.dim, c.group_size, ws)}
+            for c, row in zip(rows, collective_rows(rows), strict=True)]
 
 
 def goodput(engine: Engine, run_id: int) -> dict[str, Any] | None:

@@ -7,24 +7,40 @@ from sqlalchemy import Engine, text
 
 from fleetscope.wire import COLLECTIVE_OPS
 
-from .rows import CollectiveRow
+from .rows import P2P, CollectiveRow, StepCommRow
 
-__all__ = ["CollectiveRow", "run_collectives", "run_modalities"]
+__all__ = ["CollectiveRow", "StepCommRow", "P2P", "run_collectives", "step_comm", "run_modalities"]
 
 
 def run_collectives(engine: Engine, run_id: int) -> list[CollectiveRow]:
-    """The run's collective rollup, most total time first."""
+    """The run's collective rollup, most total time first (``dim`` None: the sender did not say)."""
     with engine.connect() as c:
         rows = c.execute(
             text(
-                "SELECT op, group_size, size_bucket, records, calls, bytes, total_s, exposed_s FROM run_collectives "
-                "WHERE run_id = :id ORDER BY total_s DESC"
+                "SELECT c.op, c.group_size, c.size_bucket, c.records, c.calls, c.bytes, c.total_s, c.exposed_s, d.name "
+                "FROM run_collectives c LEFT JOIN run_dims d ON d.run_id = c.run_id AND d.code = c.dim "
+                "WHERE c.run_id = :id ORDER BY c.total_s DESC"
             ),
             {"id": run_id},
         ).fetchall()
     return [CollectiveRow(COLLECTIVE_OPS[op] if 0 <= op < len(COLLECTIVE_OPS) else "other", int(n), int(b), int(rec),
-                          int(calls), float(nbytes), float(tot), float(exp))
-            for op, n, b, rec, calls, nbytes, tot, exp in rows]
+                          int(calls), float(nbytes), float(tot), float(exp), dim)
+            for op, n, b, rec, calls, nbytes, tot, exp, dim in rows]
+
+
+def step_comm(engine: Engine, run_id: int) -> list[StepCommRow]:
+    """Per (step, dimension) cross-rank medians of communication (``step_comm``), in step order;
+    ``dim`` is the name, None for collectives that named none, ``"<p2p>"`` for the send/recv row."""
+    with engine.connect() as c:
+        rows = c.execute(
+            text(
+                "SELECT s.step, s.dim, d.name, s.calls, s.bytes, s.total_s, s.exposed_s FROM step_comm s "
+                "LEFT JOIN run_dims d ON d.run_id = s.run_id AND d.code = s.dim WHERE s.run_id = :id ORDER BY s.step"
+            ),
+            {"id": run_id},
+        ).fetchall()
+    return [StepCommRow(int(step), P2P if code == -1 else name, float(calls), float(b), float(tot), float(exp))
+            for step, code, name, calls, b, tot, exp in rows]
 
 
 def run_modalities(engine: Engine, run_id: int) -> list[tuple[int, str, int]]:

@@ -28,6 +28,7 @@ __all__ = [
     "STEP_COLUMNS",
     "write_steps",
     "upsert_run_collectives",
+    "upsert_step_comm",
     "bump_run_counters",
     "backlog_rows",
     "RollupWriter",
@@ -145,11 +146,22 @@ def write_steps(cur: Any, rows: Iterable[tuple[Any, ...]]) -> None:
     cur.execute("DROP TABLE _new_steps")
 
 
-def upsert_run_collectives(cur: Any, rows: Sequence[tuple[int, int, int, int, int, int, float, float, float]]) -> None:
-    """Add (run_id, op, group_size, size_bucket, records, calls, bytes, total_s, exposed_s) to ``run_collectives``."""
+def upsert_step_comm(cur: Any, rows: Sequence[tuple[int, int, int, float, float, float, float]]) -> None:
+    """Set (run_id, step, dim, calls, bytes, total_s, exposed_s) in ``step_comm`` (computed over all
+    of the step's rows, so a recompacted step replaces its values)."""
     cur.executemany(
-        "INSERT INTO run_collectives (run_id, op, group_size, size_bucket, records, calls, bytes, total_s, exposed_s) "
-        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id, op, group_size, size_bucket) DO UPDATE SET "
+        "INSERT INTO step_comm (run_id, step, dim, calls, bytes, total_s, exposed_s) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+        "ON CONFLICT (run_id, step, dim) DO UPDATE SET calls = excluded.calls, bytes = excluded.bytes, "
+        "total_s = excluded.total_s, exposed_s = excluded.exposed_s",
+        rows,
+    )
+
+
+def upsert_run_collectives(cur: Any, rows: Sequence[tuple[int, int, int, int, int, int, int, float, float, float]]) -> None:
+    """Add (run_id, op, group_size, size_bucket, dim, records, calls, bytes, total_s, exposed_s) to ``run_collectives``."""
+    cur.executemany(
+        "INSERT INTO run_collectives (run_id, op, group_size, size_bucket, dim, records, calls, bytes, total_s, exposed_s) "
+        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id, op, group_size, size_bucket, dim) DO UPDATE SET "
         "records = run_collectives.records + excluded.records, calls = run_collectives.calls + excluded.calls, "
         "bytes = run_collectives.bytes + excluded.bytes, total_s = run_collectives.total_s + excluded.total_s, "
         "exposed_s = run_collectives.exposed_s + excluded.exposed_s",

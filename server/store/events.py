@@ -6,7 +6,7 @@ from typing import Any
 
 from sqlalchemy import Engine, text
 
-__all__ = ["run_events", "job_events"]
+__all__ = ["run_events", "job_events", "events_of_kind"]
 
 
 def run_events(engine: Engine, run_id: int, limit: int = 500) -> list[dict[str, Any]]:
@@ -32,3 +32,15 @@ def job_events(engine: Engine, run_id: int) -> list[tuple[str, float | None, int
         ).fetchall()
     return [(k, t, s, d) for k, t, s, d in rows]
 
+
+
+def events_of_kind(engine: Engine, run_id: int, kinds: tuple[str, ...],
+                   limit: int = 20_000) -> list[tuple[int, str, int | None, dict[str, Any]]]:
+    """(rank, kind, step, data) of the run's events of these kinds, by rank then sequence."""
+    with engine.connect() as c:
+        rows = c.execute(
+            text("SELECT rank, kind, step, data FROM run_events WHERE run_id = :id AND kind = ANY(:k) "
+                 "ORDER BY rank, seq LIMIT :n"),
+            {"id": run_id, "k": list(kinds), "n": limit},
+        ).fetchall()
+    return [(int(r), k, s, d if isinstance(d, dict) else {}) for r, k, s, d in rows]

@@ -20,9 +20,13 @@ Fragment = tuple[int, int, int, int, bytes | None, bytes | None]
 
 def land_batch(engine: Engine, run_id: int, *, fragment: Fragment | None,
                modality_tokens: Mapping[str, Any] | None, ranks: Sequence[Mapping[str, Any]],
-               events: Sequence[Mapping[str, Any]]) -> None:
-    """Write one validated batch, all or nothing."""
+               events: Sequence[Mapping[str, Any]], dims: Sequence[tuple[int, str]] = ()) -> None:
+    """Write one validated batch, all or nothing. ``dims``: (code, name) of parallel dimensions its
+    collectives name that this process has not stored for the run yet."""
     with raw_connection(engine) as conn, conn.cursor() as cur:
+        if dims:
+            cur.executemany("INSERT INTO run_dims (run_id, code, name) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
+                            [(run_id, c, n) for c, n in dims])
         if fragment is not None:
             cur.execute(
                 "INSERT INTO ingest_fragments (run_id, n_rank_steps, n_collectives, step_min, step_max, "

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RunRow", "StepFrame", "RunAggregate", "CollectiveRow", "RankRollups"]
+__all__ = ["RunRow", "StepFrame", "RunAggregate", "CollectiveRow", "StepCommRow", "P2P", "RankRollups"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +129,23 @@ class CollectiveRow:
     size_bucket: int  # log2 of the bytes per call, floored
     records: int
     calls: int
+    bytes: float
+    total_s: float
+    exposed_s: float
+    dim: str | None = None  # the parallel dimension (None: not named by the sender)
+
+
+P2P = "<p2p>"
+"""``StepCommRow.dim`` of the per-step row that sums a rank's send/recv calls of any dimension."""
+
+
+@dataclass(frozen=True)
+class StepCommRow:
+    """One step × dimension: cross-rank medians of the per-rank sums (``step_comm``)."""
+
+    step: int
+    dim: str | None
+    calls: float
     bytes: float
     total_s: float
     exposed_s: float

@@ -14,12 +14,13 @@ from collections.abc import Iterator
 import numpy as np
 from sqlalchemy import Engine, text
 
-from ..codec import STEP_BLOCK_FIELDS, decode_block
+from ..codec import COLL_BLOCK_FIELDS, STEP_BLOCK_FIELDS, decode_block
 from ..db import raw_connection
 from .rows import StepFrame
 
 __all__ = [
     "rank_span",
+    "recent_comm_blocks",
     "StepFrame",
     "ROLLUP_COLUMNS",
     "PER_STEP",
@@ -123,6 +124,20 @@ def recent_blocks(engine: Engine, run_id: int, k: int) -> list[tuple[int, dict[s
             {"id": run_id, "k": k},
         ).fetchall()
     return [(int(s), decode_block(STEP_BLOCK_FIELDS, b)) for s, b in rows[::-1]]
+
+
+def recent_comm_blocks(engine: Engine, run_id: int,
+                       k: int) -> list[tuple[int, dict[str, np.ndarray], dict[str, np.ndarray] | None]]:
+    """(step, rank-step block, collective block or None) of the run's most recent ``k`` compacted
+    steps, decoded, in step order."""
+    with engine.connect() as c:
+        rows = c.execute(
+            text("SELECT step, block, coll_block FROM steps WHERE run_id = :id AND n_ranks > 0 "
+                 "ORDER BY step DESC LIMIT :k"),
+            {"id": run_id, "k": k},
+        ).fetchall()
+    return [(int(s), decode_block(STEP_BLOCK_FIELDS, b), decode_block(COLL_BLOCK_FIELDS, cb) if cb is not None else None)
+            for s, b, cb in rows[::-1]]
 
 
 def iter_blocks(engine: Engine, run_id: int, after: int | None, chunk: int = 500,

@@ -57,7 +57,7 @@ def test_decomposition_sums_exactly_and_exposed_comm_leaves_its_phase(make_run: 
             clock.now = 30
         with run.phase("backward"):
             clock.now = 40
-            call = coll_begin(run, "all_reduce", 2, 4000, True)  # blocking: the thread waits
+            call = coll_begin(run, "all_reduce", (2, "world"), 4000, True)  # blocking: the thread waits
             clock.now = 50
             coll_end(run, call, True)
             clock.now = 60
@@ -91,7 +91,7 @@ def test_negative_residual_is_flagged_not_silently_clamped(make_run: Any) -> Non
     with run.step():
         with run.phase("backward"):
             clock.now = 2
-            call = ddp_issue(run, 2, 1024)
+            call = ddp_issue(run, (2, "world"), 1024)
             assert call[7] == BACKWARD
             clock.now = 10
         clock.now = 30
@@ -115,9 +115,9 @@ def test_ddp_tail_moves_from_backward_to_exposed_comm(make_run: Any) -> None:
     with run.step():
         with run.phase("backward"):
             clock.now = 10
-            a = ddp_issue(run, 2, 4096)  # bucket 1, overlapped with the rest of backward
+            a = ddp_issue(run, (2, "world"), 4096)  # bucket 1, overlapped with the rest of backward
             clock.now = 30
-            b = ddp_issue(run, 2, 2048)  # the last bucket: compute is over
+            b = ddp_issue(run, (2, "world"), 2048)  # the last bucket: compute is over
             a[4] = 35
             clock.now = 50
             b[4] = 50  # the reducer waited from 30 to 50
@@ -417,11 +417,11 @@ def test_records_pass_the_transport_and_the_server_validator(make_run: Any) -> N
         with run.step(tokens={"vision": 10, "text": 5}, padded_tokens=20, samples=1):
             with run.phase("forward"):
                 clock.now += 7
-                c = coll_begin(run, "all_gather", 1, 2048, True)
+                c = coll_begin(run, "all_gather", (1, "world"), 2048, True)
                 clock.now += 3
                 coll_end(run, c, True)
             with run.phase("backward"):
-                d = ddp_issue(run, 1, 4096)
+                d = ddp_issue(run, (1, "world"), 4096)
                 clock.now += 5
                 d[4] = clock.now + 2  # the tail: the reducer waits 2 more
                 clock.now += 2

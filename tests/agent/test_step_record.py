@@ -71,7 +71,7 @@ def scripted(monkeypatch: pytest.MonkeyPatch) -> Any:
             get_world_size=lambda g: 4,
         ),
     )
-    monkeypatch.setitem(collectives._sizes, world, 4)
+    monkeypatch.setitem(collectives._sizes, world, (4, "world"))
     monkeypatch.setattr(collectives, "_run", run)
 
     def all_reduce(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:

@@ -296,10 +296,10 @@ def test_collective_on_a_side_stream_is_overlapped_not_exposed(
     with run.step():
         with run.phase("forward"):
             dev.stream = "all_gather_stream"  # FSDP issues its all-gathers on its own stream
-            c = coll_begin(run, "all_gather", 8, 1 << 20, True)
+            c = coll_begin(run, "all_gather", (8, "world"), 1 << 20, True)
             coll_end(run, c, True)
             dev.stream = "main"
-            c = coll_begin(run, "all_reduce", 8, 1 << 10, True)
+            c = coll_begin(run, "all_reduce", (8, "world"), 1 << 10, True)
             coll_end(run, c, True)
     dev.done_upto = dev.host
     run.finish(timeout=1.0)

@@ -3,7 +3,8 @@ reason, deduplicated), compile time and CUDA-graph replays, sent as run events.
 
 ``install(run)`` (called by ``init``) watches torch._dynamo from the moment it is imported: at once
 when it already is, else through a meta-path finder that waits for ``import torch._dynamo`` (which
-``torch.compile`` does on its first call), so a job that never compiles never pays its ~1 s import.
+``torch.compile`` does on its first call, and so does creating a torch optimizer): the watcher never
+pays that ~1 s import itself.
 The handle it adds to ``run._hooks`` removes everything at ``run.finish``. What it reads, all on the
 compiling thread, only while compiling (nothing on the step path):
 

@@ -333,3 +333,40 @@ def test_cuda_graph_replays_are_counted_on_a_gpu_and_the_method_restored(monkeyp
     w.detach()
     assert CUDAGraphTreeManager.__dict__["execute_node"] is original
     assert run.of("cudagraph") == [("cudagraph", 7, {"replays": 3})]
+
+
+AUTO_JOB = r'''
+import functools, json, sys
+sys.path.insert(0, sys.argv[2])
+import torch
+torch.set_num_threads(1)
+import fleetscope.agent as fs
+from agent_testutil import FakeTransport
+run = fs.init("auto-compiled", transport=functools.partial(FakeTransport, path=sys.argv[1]), measure_flops=False)
+model = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)),
+                      backend="aot_eager")
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+run.instrument(model=model, optimizer=opt)
+for step in range(5):
+    model(torch.randn(4 if step < 3 else 6, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+run.finish()
+'''
+
+
+def test_automatic_mode_attributes_compiles_to_the_steps_the_optimizer_ends(tmp_path: Path) -> None:
+    # measure_flops=False: FLOP counting of the first step stops Dynamo from compiling (see the xfail in
+    # tests/server/test_compile_health.py)
+    script = tmp_path / "auto_job.py"
+    script.write_text(AUTO_JOB)
+    out = tmp_path / "auto.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE_")}
+    p = subprocess.run([sys.executable, str(script), str(out), str(HERE)], capture_output=True, text=True,
+                       env={**env, "OMP_NUM_THREADS": "1"}, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0 and p.stdout == "" and p.stderr == "", p.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    events = [(r["kind"], r["step"], r["data"].get("trigger"), r["data"].get("recompile"))
+              for k, r in doc["records"] if k == "event"]
+    assert events == [("compile", 0, "dynamo", False), ("compile", 0, "lazy_backward", False),
+                      ("compile", 3, "dynamo", True), ("compile_summary", 5, None, None)]

@@ -143,3 +143,42 @@ def test_a_compiled_job_through_the_agent_lands_in_the_summary(live_server: Any,
     (gb,) = comp["reasons"]["graph_break"]
     assert gb["reason"].startswith("Data-dependent branching (") and gb["count"] >= 2
     assert all("size mismatch" in r["reason"] for r in comp["reasons"]["recompile"])
+
+
+ZERO_CODE_JOB = r'''
+import torch
+torch.set_num_threads(1)
+model = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)),
+                      backend="aot_eager")
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(6):
+    n = 4 if step < 3 else 6  # a new batch size at step 3: a recompile
+    model(torch.randn(n, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+print("done")
+'''
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known agent bug, not the compile watch: the FLOP measurement of the first step (FlopCounterMode, a "
+    "TorchDispatchMode, agent/machine.py _flops_start) makes Dynamo skip the compiled frame for good ('non-infra "
+    "torch dispatch mode present'), so an automatically instrumented compiled model never compiles and runs eager; "
+    "and the launcher's global module hooks (agent/auto.py) make torch warn 'Using torch.compile(module) when there "
+    "are global hooks on modules' on the job's stderr"))
+def test_zero_code_launcher_reports_compile_health(live_server: Any, tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(ZERO_CODE_JOB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE_")}
+    env.update(FLEETSCOPE_TOKEN=live_server.token, OMP_NUM_THREADS="1", FLEETSCOPE_SPOOL_DIR=str(tmp_path / "spool"))
+    p = subprocess.run([sys.executable, "-m", "fleetscope.cli", "run", "--name", "zero-code-compiled", "--server",
+                        live_server.url, "--", sys.executable, "train.py"],
+                       capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0 and p.stdout == "done\n" and p.stderr == "", p.stderr[-2000:]
+    live_server.compact()
+    with live_server.client() as c:
+        rid = next(r["id"] for r in c.runs(name="zero-code-compiled"))
+        comp = c.summary(rid)["compile"]
+    assert comp is not None and comp["compiles"] == 2 and comp["recompiles"] == 1 and comp["recompile_steps"] == [3]
+    assert comp["graph_breaks"] == 0 and comp["compile_s"] > 0
+    (r,) = comp["reasons"]["recompile"]
+    assert "size mismatch at index 0. expected 4, actual 6" in r["reason"]

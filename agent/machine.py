@@ -106,6 +106,7 @@ class StepMachine:
             "collectives_incomplete": 0,
             "collectives_dropped": 0,
             "negative_residuals": 0,
+            "phase_names_overflow": 0,
             "internal_errors": 0,
         }
         self._errors_logged: set[str] = set()

@@ -32,9 +32,14 @@ from .step_state import (
     Tokens,
 )  # fmt: skip
 
-__all__ = ["Run", "Step", "Phase", "FLAG_NEGATIVE_RESIDUAL", "FLAG_FLOPS_MEASURED", "STATE_NAMES", "get_run"]
+__all__ = ["Run", "Step", "Phase", "FLAG_NEGATIVE_RESIDUAL", "FLAG_FLOPS_MEASURED", "STATE_NAMES", "get_run", "MAX_CUSTOM_PHASES", "OVERFLOW_PHASE"]
 
 _active_run: Run | None = None
+
+
+MAX_CUSTOM_PHASES = 32
+"""Distinct custom phase names a run keeps; the time of later names is kept under ``OVERFLOW_PHASE``."""
+OVERFLOW_PHASE = "other_phases"
 
 
 def get_run() -> Run | None:
@@ -112,6 +117,11 @@ class Run(StepMachine):
 
     def _new_phase(self, name: str) -> Phase:
         state = STATE_NAMES.index(name) if name in STATE_NAMES[: FIRST_CUSTOM - 1] else None
+        if state is None and name != OVERFLOW_PHASE and len(self._state_names) - FIRST_CUSTOM >= MAX_CUSTOM_PHASES:
+            # bounded cardinality: later names share one state (their time still counts as compute)
+            self.counters["phase_names_overflow"] += 1
+            p = self._phases[name] = self._phases[OVERFLOW_PHASE]
+            return p
         if state is None:
             state = len(self._state_names)
             self._state_names.append(name)

@@ -205,6 +205,12 @@ def record(run: StepMachine, st: StepData, durs: list[int], step_ns: int, comm_t
     if st.modality:
         for name, v in st.modality.items():
             submit("modality_tokens", (rank, index, name, v))
+    if len(durs) > FIRST_CUSTOM:
+        names = run._state_names
+        for i in range(FIRST_CUSTOM, len(durs)):
+            d = durs[i] & MASK
+            if d and i < len(names):
+                submit("phase", (rank, index, names[i][:64], d / 1e9))
 
 
 def drain(run: StepMachine, deadline: float | None = None) -> None:

@@ -10,6 +10,7 @@ A batch is one JSON or msgpack object (optionally gzip-compressed) for one run::
       "rank_steps":  {"rank": [...], "step": [...], "step_s": [...], ...},   # columnar
       "collectives": {"rank": [...], "step": [...], "seq": [...], "op": [...], ...},
       "modality_tokens": {"rank": [...], "step": [...], "modality": [...], "tokens": [...]},
+      "phases": {"rank": [...], "step": [...], "phase": [...], "seconds": [...]},   # custom phases
       "ranks":  [{"rank": 0, "host": "n1", "node": "n1", "local_rank": 0, "device": "H100"}],
       "events": [{"rank": 0, "seq": 3, "kind": "checkpoint", "ts": 1.7e9, "step": 100, "data": {}}]
     }
@@ -26,7 +27,7 @@ for scripts, slower; an event record names its own kind in ``"event"``); both fo
 
 Keys that make a batch idempotent (a retried or overlapping batch never duplicates a row):
 rank_step (run_id, rank, step); collective (run_id, rank, step, seq);
-modality_tokens (run_id, rank, step, modality); event (run_id, rank, seq); rank (run_id, rank).
+modality_tokens (run_id, rank, step, modality); phase (run_id, rank, step, phase); event (run_id, rank, seq); rank (run_id, rank).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ __all__ = [
     "RANK_STEP_FIELDS",
     "COLLECTIVE_FIELDS",
     "MODALITY_FIELDS",
+    "PHASE_FIELDS",
     "SECTIONS",
     "RECORD_KINDS",
     "COLLECTIVE_OPS",
@@ -128,14 +130,22 @@ MODALITY_FIELDS: tuple[Field, ...] = (
     Field("tokens", "int", True),
 )
 
+PHASE_FIELDS: tuple[Field, ...] = (
+    Field("rank", "int", True),
+    Field("step", "int", True),
+    Field("phase", "str", True, doc="a custom phase name (run.phase(name)); forward/backward/optimizer are rank-step fields"),
+    Field("seconds", "float", True, doc="time in the phase this step (part of compute_s)"),
+)
+
 #: columnar section name -> (record kind in row form, fields)
 SECTIONS: dict[str, tuple[str, tuple[Field, ...]]] = {
     "rank_steps": ("rank_step", RANK_STEP_FIELDS),
     "collectives": ("collective", COLLECTIVE_FIELDS),
     "modality_tokens": ("modality_tokens", MODALITY_FIELDS),
+    "phases": ("phase", PHASE_FIELDS),
 }
 
-RECORD_KINDS: tuple[str, ...] = ("rank_step", "collective", "modality_tokens", "rank", "event")
+RECORD_KINDS: tuple[str, ...] = ("rank_step", "collective", "modality_tokens", "phase", "rank", "event")
 
 #: NCCL-tests bus-bandwidth factors (docs/metrics.md); n = group size.
 BUSBW_FACTOR: dict[str, str] = {

@@ -242,10 +242,11 @@ class Compactor:
         return gkeys[ready]
 
     def _compact_modalities(self, cur: Any, ready_keys: np.ndarray, force: bool) -> None:
-        mods = store.take_modalities(cur, force=force, grace_s=self.grace_s, run_ids=(ready_keys >> 32).tolist(),
-                                     steps=(ready_keys & 0xFFFFFFFF).tolist())
-        if mods:
-            self._fold_modalities(cur, mods)
+        for kind in ("modality", "phase"):
+            mods = store.take_modalities(cur, force=force, grace_s=self.grace_s, run_ids=(ready_keys >> 32).tolist(),
+                                         steps=(ready_keys & 0xFFFFFFFF).tolist(), kind=kind)
+            if mods:
+                self._fold_modalities(cur, mods, kind)
 
     def _fold(self, cur: Any, new_s: dict[str, np.ndarray], new_c: dict[str, np.ndarray],
               existing: list[tuple[int, int, bytes, bytes | None]],
@@ -390,12 +391,14 @@ class Compactor:
             res.runs.add(r)
         store.bump_run_counters(cur, [(*v, k) for k, v in per_run.items()])
 
-    def _fold_modalities(self, cur: Any, mods: list[tuple[int, int, int, str, int]]) -> None:
-        agg: dict[tuple[int, int, str], dict[int, int]] = {}
+    def _fold_modalities(self, cur: Any, mods: list[tuple[int, int, int, str, Any]], kind: str = "modality") -> None:
+        """Sum landed (run, step, rank, name, value) rows per (run, step, name), each rank once."""
+        agg: dict[tuple[int, int, str], dict[int, Any]] = {}
+        conv = int if kind == "modality" else float
         for run_id, step, rank, modality, tokens in mods:
-            agg.setdefault((run_id, step, modality), {}).setdefault(rank, int(tokens))
+            agg.setdefault((run_id, step, modality), {}).setdefault(rank, conv(tokens))
         keys = list(agg)
-        existing = {k: set(ranks_of(bits).tolist()) for k, bits in store.modality_ranks(cur, keys).items()}
+        existing = {k: set(ranks_of(bits).tolist()) for k, bits in store.modality_ranks(cur, keys, kind).items()}
         rows = []
         for key, per_rank in agg.items():
             have = existing.get(key, set())
@@ -404,7 +407,7 @@ class Compactor:
                 continue
             all_ranks = np.array(sorted(have | set(add)))
             rows.append((key[0], key[1], key[2], sum(add.values()), bits_of(all_ranks)))
-        store.upsert_modalities(cur, rows)
+        store.upsert_modalities(cur, rows, kind)
 
 
 _P2P_OPS = np.array([OP_CODE["send"], OP_CODE["recv"]])

@@ -186,6 +186,7 @@ class IngestService:
                 "rank_steps": batch.count("rank_steps"),
                 "collectives": batch.count("collectives"),
                 "modality_tokens": batch.count("modality_tokens"),
+                "phases": batch.count("phases"),
                 "ranks": len(batch.ranks),
                 "events": len(batch.events),
             },
@@ -196,7 +197,7 @@ class IngestService:
         dims = dim_names(b)
         new_dims = [(c, n) for c, n in dims.items() if (b.run_id, c) not in self._dims_known]
         landing.land_batch(self.engine, b.run_id, fragment=encode_fragment(b), modality_tokens=b.modality_tokens or None,
-                           ranks=b.ranks, events=b.events, dims=new_dims)
+                           ranks=b.ranks, phases=b.phases or None, events=b.events, dims=new_dims)
         if new_dims:
             if len(self._dims_known) > 100_000:
                 self._dims_known.clear()

@@ -193,6 +193,31 @@ class RunCollective(Base):
     exposed_s: Mapped[float] = mapped_column(Double)
 
 
+class PhaseRaw(Base):
+    """Landing queue of custom phase times (like ``modality_raw``: surrogate key, first copy wins)."""
+
+    __tablename__ = "phase_raw"
+    __table_args__ = (PrimaryKeyConstraint("run_id", "id"),)
+    run_id: Mapped[int] = mapped_column(Integer)
+    id: Mapped[int] = mapped_column(BigInteger, autoincrement=True)  # BIGSERIAL
+    step: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    phase: Mapped[str] = mapped_column(String(64))
+    seconds: Mapped[float] = mapped_column(Double)
+    received_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class RunPhase(Base):
+    """Custom phase seconds per step, summed over the ranks in ``ranks`` (a bit string)."""
+
+    __tablename__ = "run_phases"
+    run_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    phase: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seconds: Mapped[float] = mapped_column(Double)
+    ranks: Mapped[str] = mapped_column(BIT(varying=True))
+
+
 class RunDim(Base):
     """The names of a run's parallel dimensions, by the code collective blocks store."""
 

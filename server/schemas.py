@@ -67,6 +67,7 @@ IngestBatch = create_model(
     rank_steps=(_optional(_section_model("rank_steps")), None),
     collectives=(_optional(_section_model("collectives")), None),
     modality_tokens=(_optional(_section_model("modality_tokens")), None),
+    phases=(_optional(_section_model("phases")), None),
     ranks=(list[RankInfo] | None, None),
     events=(list[EventRecord] | None, None),
     records=(list[dict[str, Any]] | None, Field(None, description="row form: objects with a 'kind' and the fields")),
@@ -95,6 +96,7 @@ class Accepted(BaseModel):
     rank_steps: int
     collectives: int
     modality_tokens: int
+    phases: int = 0
     ranks: int
     events: int
 

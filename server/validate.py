@@ -81,6 +81,7 @@ class ValidBatch:
     rank_steps: dict[str, np.ndarray] = field(default_factory=dict)
     collectives: dict[str, np.ndarray] = field(default_factory=dict)
     modality_tokens: dict[str, np.ndarray] = field(default_factory=dict)
+    phases: dict[str, np.ndarray] = field(default_factory=dict)
     ranks: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
 
@@ -297,7 +298,7 @@ def _rows_to_columns(records: Any) -> tuple[dict[str, dict[str, list]], dict[str
             continue
         sec = kind_to_section.get(kind)  # type: ignore[arg-type]
         if sec is None:
-            raise BatchError(f"records[{i}].kind", "unknown record kind (expected one of rank_step, collective, modality_tokens, rank, event)", got=kind)
+            raise BatchError(f"records[{i}].kind", "unknown record kind (expected one of rank_step, collective, modality_tokens, phase, rank, event)", got=kind)
         fields = SECTIONS[sec][1]
         names = {f.name for f in fields}
         for k in rec:

@@ -148,13 +148,14 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
     fig = figures(engine, [run])[run.id]
     meta = run.meta or {}
     d = run.as_dict()
+    par = dict(_parallel(engine, run, fig))
     return {
         "run": d,
         "rank_steps": d["rank_steps"],
         "collective_records": d["collective_records"],
         "steps": fig.steps,
         "decomposition": fig.decomposition,
-        "phases": fig.phases or {},
+        "phases": {**(fig.phases or {}), **par.pop("custom_phases")},
         "comm_total_s": fig.comm_total_s,
         "overlap_ratio": fig.overlap_ratio,
         "step_s_p50": fig.step_s,
@@ -171,7 +172,7 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
         "stragglers": summary_stragglers(_stragglers(engine, run, fig)),
         "bottlenecks": summary_bottlenecks(_bottlenecks(engine, run, fig)),
         "compile": run_compile(engine, run.id),  # read fresh: events land after the steps
-        **_parallel(engine, run, fig),
+        **par,
     }
 
 
@@ -213,7 +214,8 @@ def _parallel(engine: Engine, run: RunRow, fig: RunFigures) -> dict[str, Any]:
         for dim, v in by_dim.items():
             if dim in spans:
                 v["nodes"] = spans[dim]
-        return {"comm_by_dim": by_dim, "pipeline": pipeline, "parallel_findings": findings}
+        return {"comm_by_dim": by_dim, "pipeline": pipeline, "parallel_findings": findings,
+                "custom_phases": collectives.custom_phases(engine, run.id)}
 
     return _cache.cached("parallel", engine, run, compute)
 

@@ -9,7 +9,7 @@ from fleetscope.wire import COLLECTIVE_OPS
 
 from .rows import P2P, CollectiveRow, StepCommRow
 
-__all__ = ["CollectiveRow", "StepCommRow", "P2P", "run_collectives", "step_comm", "run_modalities"]
+__all__ = ["CollectiveRow", "StepCommRow", "P2P", "run_collectives", "step_comm", "run_modalities", "custom_phases"]
 
 
 def run_collectives(engine: Engine, run_id: int) -> list[CollectiveRow]:
@@ -50,3 +50,14 @@ def run_modalities(engine: Engine, run_id: int) -> list[tuple[int, str, int]]:
             text("SELECT step, modality, tokens FROM run_modalities WHERE run_id = :id ORDER BY step"), {"id": run_id}
         ).fetchall()
     return [(int(s), m, int(t)) for s, m, t in rows]
+
+
+def custom_phases(engine: Engine, run_id: int) -> dict[str, float]:
+    """{phase: median over steps of the cross-rank mean seconds} of the run's custom phases."""
+    with engine.connect() as c:
+        rows = c.execute(
+            text("SELECT phase, percentile_cont(0.5) WITHIN GROUP (ORDER BY seconds / greatest(bit_count(ranks), 1)) "
+                 "FROM run_phases WHERE run_id = :id GROUP BY phase ORDER BY 2 DESC"),
+            {"id": run_id},
+        ).fetchall()
+    return {p: float(v) for p, v in rows}

@@ -98,32 +98,43 @@ def insert_fragments(cur: Any, rows: Sequence[tuple[Any, ...]]) -> None:
         )
 
 
+#: per-step additive rollups of a landing queue: raw table, its name and value columns, rollup table
+_FOLDED = {
+    "modality": ("modality_raw", "modality", "tokens", "run_modalities", "int[]"),
+    "phase": ("phase_raw", "phase", "seconds", "run_phases", "float8[]"),
+}
+
+
 def take_modalities(cur: Any, *, force: bool, grace_s: float, run_ids: Sequence[int],
-                    steps: Sequence[int]) -> list[tuple[int, int, int, str, int]]:
-    """Delete and return (run_id, step, rank, modality, tokens) landed rows that are ready: all with
-    ``force``, those older than the grace period, and those of the given (run, step) pairs."""
+                    steps: Sequence[int], kind: str = "modality") -> list[tuple[int, int, int, str, Any]]:
+    """Delete and return (run_id, step, rank, name, value) landed rows that are ready: all with
+    ``force``, those older than the grace period, and those of the given (run, step) pairs.
+    ``kind``: "modality" (tokens per modality) or "phase" (seconds per custom phase)."""
+    raw, name, value, _, _ = _FOLDED[kind]
     return cur.execute(
-        "DELETE FROM modality_raw t WHERE %s OR t.received_at < now() - make_interval(secs => %s) "
+        f"DELETE FROM {raw} t WHERE %s OR t.received_at < now() - make_interval(secs => %s) "
         "OR (t.run_id, t.step) IN (SELECT * FROM unnest(%s::int[], %s::int[])) "
-        "RETURNING t.run_id, t.step, t.rank, t.modality, t.tokens",
+        f"RETURNING t.run_id, t.step, t.rank, t.{name}, t.{value}",
         (force, float(grace_s), list(run_ids), list(steps)),
     ).fetchall()
 
 
-def modality_ranks(cur: Any, keys: Sequence[tuple[int, int, str]]) -> dict[tuple[int, int, str], str]:
-    """{(run, step, modality): bit string of the ranks already summed} for the stored keys."""
+def modality_ranks(cur: Any, keys: Sequence[tuple[int, int, str]], kind: str = "modality") -> dict[tuple[int, int, str], str]:
+    """{(run, step, name): bit string of the ranks already summed} for the stored keys."""
+    _, name, _, table, _ = _FOLDED[kind]
     return {(r, s, m): bits for r, s, m, bits in cur.execute(
-        "SELECT run_id, step, modality, ranks::text FROM run_modalities WHERE (run_id, step, modality) IN "
+        f"SELECT run_id, step, {name}, ranks::text FROM {table} WHERE (run_id, step, {name}) IN "
         "(SELECT * FROM unnest(%s::int[], %s::int[], %s::text[]))",
         ([k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys]),
     ).fetchall()}
 
 
-def upsert_modalities(cur: Any, rows: Sequence[tuple[int, int, str, int, str]]) -> None:
-    """Add (run_id, step, modality, tokens, ranks bit string) to ``run_modalities``."""
+def upsert_modalities(cur: Any, rows: Sequence[tuple[int, int, str, Any, str]], kind: str = "modality") -> None:
+    """Add (run_id, step, name, value, ranks bit string) to ``run_modalities`` / ``run_phases``."""
+    _, name, value, table, _ = _FOLDED[kind]
     cur.executemany(
-        "INSERT INTO run_modalities (run_id, step, modality, tokens, ranks) VALUES (%s, %s, %s, %s, %s::varbit) "
-        "ON CONFLICT (run_id, step, modality) DO UPDATE SET tokens = run_modalities.tokens + excluded.tokens, "
+        f"INSERT INTO {table} (run_id, step, {name}, {value}, ranks) VALUES (%s, %s, %s, %s, %s::varbit) "
+        f"ON CONFLICT (run_id, step, {name}) DO UPDATE SET {value} = {table}.{value} + excluded.{value}, "
         "ranks = excluded.ranks",
         rows,
     )

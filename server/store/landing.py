@@ -20,7 +20,8 @@ Fragment = tuple[int, int, int, int, bytes | None, bytes | None]
 
 def land_batch(engine: Engine, run_id: int, *, fragment: Fragment | None,
                modality_tokens: Mapping[str, Any] | None, ranks: Sequence[Mapping[str, Any]],
-               events: Sequence[Mapping[str, Any]], dims: Sequence[tuple[int, str]] = ()) -> None:
+               events: Sequence[Mapping[str, Any]], dims: Sequence[tuple[int, str]] = (),
+               phases: Mapping[str, Any] | None = None) -> None:
     """Write one validated batch, all or nothing. ``dims``: (code, name) of parallel dimensions its
     collectives name that this process has not stored for the run yet."""
     with raw_connection(engine) as conn, conn.cursor() as cur:
@@ -38,6 +39,11 @@ def land_batch(engine: Engine, run_id: int, *, fragment: Fragment | None,
             with cur.copy("COPY modality_raw (run_id, step, rank, modality, tokens) FROM STDIN") as cp:
                 for s, r, m, t in zip(ms["step"], ms["rank"], ms["modality"], ms["tokens"], strict=True):
                     cp.write_row((run_id, int(s), int(r), m, int(t)))
+        if phases:
+            ps = phases
+            with cur.copy("COPY phase_raw (run_id, step, rank, phase, seconds) FROM STDIN") as cp:
+                for s, r, p, t in zip(ps["step"], ps["rank"], ps["phase"], ps["seconds"], strict=True):
+                    cp.write_row((run_id, int(s), int(r), p, float(t)))
         if ranks:
             cur.executemany(
                 "INSERT INTO ranks (run_id, rank, host, node, local_rank, device) "

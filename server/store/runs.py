@@ -346,7 +346,7 @@ def owner_of(engine: Engine, run_id: int) -> tuple[bool, int | None]:
 
 #: every table that holds rows of a run, children first (runs last)
 _RUN_TABLES = ("ingest_fragments", "modality_raw", "steps", "run_collectives", "run_modalities", "run_events",
-               "run_dims", "step_comm",
+               "run_dims", "step_comm", "phase_raw", "run_phases",
                "trace_summaries", "rank_rollups", "rank_windows", "run_stats", "alerts", "ranks")
 
 

@@ -124,9 +124,11 @@ def test_fast_and_general_paths_emit_identical_records(scripted: Any) -> None:
     assert fast == {"fast": True, "kind": K_SYNC_FAST}
     assert general == {"fast": False, "kind": K_TRAINING | K_PUSHED}
     assert [k for k, _ in first] == [k for k, _ in second] == [
-        "collective", "collective", "rank_step", "modality_tokens", "modality_tokens",
+        "collective", "collective", "rank_step", "modality_tokens", "modality_tokens", "phase",
     ]  # fmt: skip
     assert first == second
+    (custom,) = [r for k, r in first if k == "phase"]  # the custom phase, by name, with its own time
+    assert custom[1:3] == (7, "ema_update") and custom[3] == pytest.approx(6e-9)
 
     (st,) = tx.steps()
     assert st["step"] == 7 and st["ts"] == 1_700_000_123.5

@@ -77,7 +77,7 @@ def test_json_and_row_form_are_accepted(live_server: Any) -> None:
     body = json.dumps({"v": 1, "run_id": rid, "records": records}).encode()
     r = _post(live_server, body, {"Content-Type": "application/json"})
     assert r.status_code == 200, r.text
-    assert r.json()["accepted"] == {"rank_steps": 4, "collectives": 0, "modality_tokens": 0, "ranks": 1, "events": 1}
+    assert r.json()["accepted"] == {"rank_steps": 4, "collectives": 0, "modality_tokens": 0, "phases": 0, "ranks": 1, "events": 1}
     c = _counts(live_server.state.engine)
     assert c["ingest_fragments"] == 1 and c["ranks"] == 1 and c["run_events"] == 1
 

@@ -36,7 +36,7 @@ from .clock import CpuClock, make_clock
 from .collective_stats import CollectiveStats
 from .config import AgentConfig
 from .memory import NullSampler, make_sampler
-from .mfu import FlopMeter
+from .mfu import FlopMeter, compile_seen
 from .pending import PendingSteps
 from .protocols import Clock, HookHandle, Mark, MemorySampler, MemSample, StepTracer, Transport
 from .step_state import (
@@ -107,6 +107,7 @@ class StepMachine:
             "collectives_dropped": 0,
             "negative_residuals": 0,
             "phase_names_overflow": 0,
+            "flops_not_measured_compiled": 0,
             "internal_errors": 0,
         }
         self._errors_logged: set[str] = set()
@@ -342,6 +343,10 @@ class StepMachine:
     def _flops_start(self) -> None:
         if "torch" not in sys.modules:  # nothing to count, and importing torch here would cost seconds
             self._flop_watch = False
+            return
+        if compile_seen():  # FlopCounterMode would make Dynamo skip the compiled frames (mfu.py)
+            self._flop_watch = False
+            self.counters["flops_not_measured_compiled"] += 1
             return
         meter = self._flop_meter = FlopMeter()
         try:

@@ -11,6 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "compile_seen",
+    "note_compile",
+    "is_compiled",
+    "watch_torch_compile",
     "PEAK_FLOPS",
     "peak_flops",
     "palm_flops_per_token",
@@ -93,3 +97,50 @@ class FlopMeter:
         mode.__exit__(None, None, None)
         self.flops = int(mode.get_total_flops())
         return self.flops
+
+
+# --- torch.compile and the FLOP measurement -------------------------------------------------------
+# FlopCounterMode is a TorchDispatchMode; Dynamo refuses to compile a frame entered while one is
+# active ("non-infra torch dispatch mode present") and does not try that frame again, so measuring
+# the first step's FLOPs would leave a compiled model running eager for the whole job. A job that
+# compiles is therefore never measured: its FLOPs are given or estimated, or MFU stays unknown.
+_compile_seen = False
+_orig_compile: Any = None
+
+
+def note_compile() -> None:
+    global _compile_seen
+    _compile_seen = True
+
+
+def compile_seen() -> bool:
+    """Whether this process called ``torch.compile`` (since ``watch_torch_compile``) or handed the
+    agent a compiled module."""
+    return _compile_seen
+
+
+def is_compiled(model: Any) -> bool:
+    """``torch.compile(module)`` (an OptimizedModule) or ``module.compile()``."""
+    return hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None
+
+
+def watch_torch_compile() -> None:
+    """Wrap ``torch.compile`` so that a call marks the process as compiling (idempotent; the wrapper
+    only sets a flag and calls through)."""
+    global _orig_compile
+    import sys
+
+    torch = sys.modules.get("torch")
+    fn = getattr(torch, "compile", None) if torch is not None else None
+    if fn is None or getattr(fn, "_fleetscope", False):
+        return
+    _orig_compile = fn
+
+    def compile(*args: Any, **kwargs: Any) -> Any:  # noqa: A001 - torch's own name
+        note_compile()
+        return fn(*args, **kwargs)
+
+    compile.__wrapped__ = fn  # type: ignore[attr-defined]
+    compile.__doc__ = fn.__doc__
+    compile._fleetscope = True  # type: ignore[attr-defined]
+    torch.compile = compile

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .machine import StepMachine
+from .mfu import is_compiled, note_compile
 from .step_end import end
 from .step_state import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER
 
@@ -298,6 +299,8 @@ def instrument(
     counts: Callable[[Any], Any] | None = None,
 ) -> Any:
     """Install the hooks on ``run``; return the data loader to iterate."""
+    if model is not None and is_compiled(model):
+        note_compile()  # no FlopCounterMode over a compiled model (mfu.py)
     if model is not None:
         if run._clock is None and run.config.clock == "auto":
             from .clock import make_clock

@@ -160,12 +160,6 @@ print("done")
 '''
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known agent bug, not the compile watch: the FLOP measurement of the first step (FlopCounterMode, a "
-    "TorchDispatchMode, agent/machine.py _flops_start) makes Dynamo skip the compiled frame for good ('non-infra "
-    "torch dispatch mode present'), so an automatically instrumented compiled model never compiles and runs eager; "
-    "and the launcher's global module hooks (agent/auto.py) make torch warn 'Using torch.compile(module) when there "
-    "are global hooks on modules' on the job's stderr"))
 def test_zero_code_launcher_reports_compile_health(live_server: Any, tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(ZERO_CODE_JOB)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETSCOPE_")}

@@ -24,6 +24,8 @@ from .fleet import compare_runs, compare_view, families, fleet_rows, run_options
 from .pages import (
     bottleneck_report,
     collectives_view,
+    comm_by_dim_of_runs,
+    comm_dim_series,
     modality_series,
     rank_heatmap,
     rank_slowdown,
@@ -69,7 +71,7 @@ __all__ = [
     "collective_efficiency", "run_collectives", "goodput", "run_events", "run_traces", "database_ok",
     "run_compile",
     # run page
-    "run_page_summary", "run_series", "modality_series", "collectives_view", "straggler_view", "bottleneck_report",
+    "run_page_summary", "run_series", "modality_series", "collectives_view", "comm_dim_series", "comm_by_dim_of_runs", "straggler_view", "bottleneck_report",
     "ranking_from_shares", "rank_heatmap", "rank_slowdown",
     # across runs
     "fleet_rows", "families", "run_options", "compare_runs", "compare_view", "scaling", "scaling_view",

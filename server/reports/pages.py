@@ -9,6 +9,7 @@ import numpy as np
 from sqlalchemy import Engine
 
 from .. import rank_matrix
+from ..analysis import parallel
 from ..analysis.figures import COMPONENT_LABELS, COMPONENTS, SHARE_KEYS, amdahl_ceiling, mfu, tokens_per_s
 from ..downsample import mean_buckets, minmax_series, sum_buckets
 from ..store import collectives, steps
@@ -26,6 +27,8 @@ __all__ = [
     "ranking_from_shares",
     "rank_heatmap",
     "rank_slowdown",
+    "comm_dim_series",
+    "comm_by_dim_of_runs",
 ]
 
 _SERIES_COLUMNS = ("step", "n_ranks", "step_s", "step_s_max", "data_s", "compute_s", "comm_exposed_s", "other_s",
@@ -149,3 +152,20 @@ def rank_heatmap(engine: Engine, run_id: int, *, field: str = "step_s", how: str
 def rank_slowdown(engine: Engine, run_id: int) -> dict[str, Any] | None:
     """Per-rank slowdown and per-node medians (``rank_matrix.rank_slowdown``)."""
     return rank_matrix.rank_slowdown(engine, run_id)
+
+
+def comm_dim_series(engine: Engine, run_id: int, *, max_points: int = 600) -> dict[str, Any]:
+    """Per step, each parallel dimension's exposed and total communication seconds (cross-rank
+    medians; ``analysis.parallel.comm_dim_series``): ``{"steps": [...], "dims": {dim: {"exposed_s",
+    "total_s"}}}``, thinned to ``max_points`` steps."""
+    return _cache.cached_by_id(("comm_dim_series", max_points), engine, run_id,
+                               lambda: parallel.comm_dim_series(collectives.step_comm(engine, run_id), max_points))
+
+
+def comm_by_dim_of_runs(engine: Engine, run_ids: list[int]) -> dict[int, dict[str, dict[str, float]]]:
+    """``comm_by_dim`` of each run (the summary's figure), for the compare and scaling pages."""
+    out: dict[int, dict[str, dict[str, float]]] = {}
+    for rid in run_ids:
+        s = run_summary(engine, rid)
+        out[rid] = s["comm_by_dim"] if s is not None else {}
+    return out

@@ -69,6 +69,9 @@ def serve(
         bool, typer.Option("--allow-public-reads",
                            help="serve a non-loopback address without --read-auth (anyone who reaches it reads)")
     ] = False,
+    compaction_workers: Annotated[int | None, typer.Option(
+        "--compaction-workers", min=0, max=64,
+        help="compact in N worker processes (partitioned by run) instead of a thread of the server")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run the API, the dashboard and /metrics in one process (embedded Postgres without a URL)."""
@@ -76,7 +79,7 @@ def serve(
     settings = _settings(
         host=host, port=port, database_url=database_url, data_dir=data_dir, migrate=not no_migrate,
         insecure_no_auth=insecure_no_auth or None, read_auth=read_auth or None,
-        allow_public_unauthenticated=allow_public_reads or None,
+        allow_public_unauthenticated=allow_public_reads or None, compaction_workers=compaction_workers,
     )
     if settings.insecure_no_auth:
         typer.secho("WARNING: authentication is DISABLED (--insecure-no-auth)", fg="red", bold=True, err=True)

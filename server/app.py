@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,7 +20,7 @@ from fleetscope import __version__
 from .alerts import AlertWorker
 from .analysis.rollups import fold_rank_rollups
 from .auth import TokenVerifier
-from .compactor import CompactionResult, Compactor
+from .compactor import CompactionResult, CompactionWorkers, Compactor
 from .db import make_engine, upgrade
 from .edge import EdgeMiddleware
 from .ingest import IngestService
@@ -28,6 +29,7 @@ from .notifier import Notifier
 from .routes import alerts, benchmarks, health, ingest, runs, traces
 from .settings import Settings
 from .state import AppState
+from .store import runs as run_store
 from .store.runs import runs_by_status
 
 __all__ = ["create_app"]
@@ -97,6 +99,36 @@ def _build_state(settings: Settings, url: str, app: FastAPI) -> AppState:
                     tokens=TokenVerifier(engine), metrics=metrics, notifier=notifier, alerts=worker)
 
 
+class _CompactionFollower:
+    """With compaction in worker processes: keep the ingest admission's backlog figure current and
+    hand the runs the workers compacted to regression detection, as the in-process compactor's
+    ``on_pass`` does."""
+
+    def __init__(self, state: AppState, interval_s: float) -> None:
+        self._state = state
+        self._interval = max(0.2, interval_s)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="fleetscope-compaction-follower", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _loop(self) -> None:
+        since = None
+        while not self._stop.wait(self._interval):
+            try:
+                backlog, runs, since = run_store.compaction_progress(self._state.engine, since)
+                self._state.ingest.backlog_rows = backlog
+                if runs:
+                    self._state.alerts.poke(runs=runs)
+            except Exception:  # noqa: BLE001 - a database outage: try again next time
+                log.debug("compaction follower: poll failed", exc_info=True)
+
+
 def create_app(settings: Settings, *, database_url: str | None = None, start_background: bool = True) -> FastAPI:
     """The API server (ingest, read API, /healthz, /metrics). ``database_url`` must be resolved already
     (embedded Postgres is the CLI's job); the dashboard is mounted by the caller (``fleetscope.webapp``)."""
@@ -112,8 +144,18 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
         app.state.fs = state
         if settings.insecure_no_auth:
             log.warning("AUTH IS DISABLED (--insecure-no-auth): anyone who can reach this port can write data")
+        workers: CompactionWorkers | None = None
+        follower: _CompactionFollower | None = None
         if start_background:
-            state.compactor.start(settings.compact_interval_s)
+            if settings.compaction_workers > 0:
+                workers = CompactionWorkers(url, settings.compaction_workers, grace_s=settings.compact_grace_s,
+                                            interval_s=settings.compact_interval_s)
+                workers.start()
+                follower = _CompactionFollower(state, settings.compact_interval_s)
+                follower.start()
+                log.info("compaction in %d worker processes", settings.compaction_workers)
+            else:
+                state.compactor.start(settings.compact_interval_s)
             if settings.alerts_enabled:
                 state.alerts.start()
         state.ready = True
@@ -121,6 +163,10 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
             yield
         finally:
             state.ready = False
+            if follower is not None:
+                follower.stop()
+            if workers is not None:
+                workers.stop()
             state.alerts.stop()
             state.notifier.close()
             state.compactor.stop()

@@ -35,7 +35,7 @@ from .grouped import grouped_median, grouped_medians
 from .store import compaction as store
 from .validate import OP_CODE
 
-__all__ = ["Compactor", "CompactionResult", "grouped_median", "bits_of"]
+__all__ = ["Compactor", "CompactionResult", "grouped_median", "bits_of", "CompactionWorkers"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,15 @@ class CompactionResult:
     backlog_rows: int = 0
     seconds: float = 0.0
     runs: set[int] = field(default_factory=set)
+
+    def merge(self, other: CompactionResult) -> None:
+        """Add the counts of another partition's pass."""
+        self.more = self.more or other.more
+        self.steps += other.steps
+        self.rank_steps += other.rank_steps
+        self.collectives += other.collectives
+        self.duplicates += other.duplicates
+        self.runs |= other.runs
 
 
 def bits_of(ranks: np.ndarray) -> str:
@@ -128,6 +137,7 @@ class Compactor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._turn = 0  # where the next pass starts in the list of pending partitions
         self.errors = 0
 
     def start(self, interval_s: float) -> None:
@@ -161,24 +171,41 @@ class Compactor:
             return res
 
     def _pass(self, force: bool) -> CompactionResult:
+        """Compact every partition with pending work that no other compactor holds (``force``: wait
+        for those too). Each partition is its own transaction, bounded like a whole pass used to be.
+        Partitions are tried oldest work first, from a position that moves on at each pass, so
+        compactors spread over partitions. ``more``: a partition had more than one pass can take."""
         res = CompactionResult()
         with store.transaction(self.engine) as cur:
-            if not store.try_lock(cur):
-                return res
-            frags = store.read_fragments(cur, _MAX_FRAGMENTS)
-            taken: list[tuple[Any, ...]] = []
-            total = 0
-            for f in frags:
-                if taken and total + f[4] > _MAX_RECORDS:
-                    res.more = True
-                    break
-                taken.append(f)
-                total += f[4]
-            if len(frags) == _MAX_FRAGMENTS:
-                res.more = True
-            ready_keys = self._compact_fragments(cur, taken, force, res) if taken else np.empty(0, dtype=np.int64)
-            self._compact_modalities(cur, ready_keys, force)
+            parts = store.pending_partitions(cur)
+        if parts:
+            k = self._turn % len(parts)
+            self._turn += 1
+            for part in parts[k:] + parts[:k]:
+                with store.transaction(self.engine) as cur:
+                    if not store.try_lock(cur, part, wait=force):
+                        continue  # another compactor holds it: try the next partition
+                    one = self._pass_partition(cur, part, force)
+                res.merge(one)
+        with store.transaction(self.engine) as cur:
             res.backlog_rows = store.backlog_rows(cur)
+        return res
+
+    def _pass_partition(self, cur: Any, part: int, force: bool) -> CompactionResult:
+        res = CompactionResult()
+        frags = store.read_fragments(cur, _MAX_FRAGMENTS, part)
+        taken: list[tuple[Any, ...]] = []
+        total = 0
+        for f in frags:
+            if taken and total + f[4] > _MAX_RECORDS:
+                res.more = True
+                break
+            taken.append(f)
+            total += f[4]
+        if len(frags) == _MAX_FRAGMENTS:
+            res.more = True
+        ready_keys = self._compact_fragments(cur, taken, force, res) if taken else np.empty(0, dtype=np.int64)
+        self._compact_modalities(cur, ready_keys, force, part)
         return res
 
     def _compact_fragments(self, cur: Any, frags: list[tuple[Any, ...]], force: bool, res: CompactionResult) -> np.ndarray:
@@ -241,10 +268,10 @@ class Compactor:
         store.insert_fragments(cur, rows)
         return gkeys[ready]
 
-    def _compact_modalities(self, cur: Any, ready_keys: np.ndarray, force: bool) -> None:
+    def _compact_modalities(self, cur: Any, ready_keys: np.ndarray, force: bool, part: int | None = None) -> None:
         for kind in ("modality", "phase"):
             mods = store.take_modalities(cur, force=force, grace_s=self.grace_s, run_ids=(ready_keys >> 32).tolist(),
-                                         steps=(ready_keys & 0xFFFFFFFF).tolist(), kind=kind)
+                                         steps=(ready_keys & 0xFFFFFFFF).tolist(), kind=kind, part=part)
             if mods:
                 self._fold_modalities(cur, mods, kind)
 
@@ -513,3 +540,57 @@ def _sort_dedup(cols: dict[str, np.ndarray], key: np.ndarray, key2: np.ndarray |
     out = {k: v[keep] for k, v in cols.items()}
     out["_key"] = key[keep]
     return out, n - len(keep)
+
+
+def _worker_main(url: str, grace_s: float, interval_s: float, stop: Any, index: int) -> None:
+    """A compaction worker process: its own engine and compactor loop until ``stop`` is set."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us through ``stop``
+    from .analysis.rollups import fold_rank_rollups
+    from .db import make_engine
+
+    engine = make_engine(url, pool_size=2)
+    comp = Compactor(engine, grace_s=grace_s)
+    comp.folds.append(fold_rank_rollups)
+    comp._turn = index  # start each worker at a different partition
+    try:
+        while not stop.wait(interval_s):
+            try:
+                while comp.run_once().more and not stop.is_set():
+                    pass
+            except Exception:  # noqa: BLE001 - keep compacting; raw rows stay until a pass succeeds
+                log.exception("compaction worker %d: pass failed (raw rows kept; will retry)", index)
+    finally:
+        engine.dispose()
+
+
+class CompactionWorkers:
+    """N compaction processes (``fleetscope serve --compaction-workers N``): compaction off the
+    request-serving process, on as many cores as asked. Work is partitioned by run (``store.compaction.
+    PARTITIONS``), so the workers — and the workers of other server instances on the same database —
+    never fold the same run at once."""
+
+    def __init__(self, url: str, n: int, *, grace_s: float, interval_s: float) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")  # no inherited threads, sockets or connection pools
+        self._stop = ctx.Event()
+        self._procs = [ctx.Process(target=_worker_main, args=(url, grace_s, interval_s, self._stop, i),
+                                   name=f"fleetscope-compactor-{i}", daemon=True) for i in range(n)]
+
+    def start(self) -> None:
+        for p in self._procs:
+            p.start()
+
+    def alive(self) -> int:
+        return sum(p.is_alive() for p in self._procs)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        for p in self._procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.terminate()
+                p.join(5)

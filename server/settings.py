@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     backlog_max_rows: int = Field(default=5_000_000, description="uncompacted rows before 429")
     compact_interval_s: float = Field(default=1.0, description="how often raw rows are compacted")
     compact_grace_s: float = Field(default=10.0, description="wait this long for a step's missing ranks")
+    compaction_workers: int = Field(default=0, ge=0, le=64, description=(
+        "compaction processes; 0: a thread of the server process compacts. With N > 0 the server only "
+        "serves and N worker processes compact in parallel (partitioned by run)"))
     pool_size: int = 8
     public_url: str | None = Field(default=None, description="dashboard base URL used in deep links")
     slack_webhook_url: str | None = Field(default=None, repr=False)

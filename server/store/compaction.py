@@ -31,6 +31,8 @@ __all__ = [
     "upsert_step_comm",
     "bump_run_counters",
     "backlog_rows",
+    "PARTITIONS",
+    "pending_partitions",
     "RollupWriter",
 ]
 
@@ -54,18 +56,50 @@ def transaction(engine: Engine) -> Iterator[Any]:
         yield cur
 
 
-def try_lock(cur: Any) -> bool:
-    """The transaction-level advisory lock: one compactor at a time across server processes."""
-    got = cur.execute("SELECT pg_try_advisory_xact_lock(%s)", (_LOCK_KEY,)).fetchone()
+PARTITIONS = 64
+"""Compaction work is partitioned by run: partition = run_id % PARTITIONS. A compactor holds the
+partition's transaction-level advisory lock while it folds that partition's fragments, so any number
+of compactors (threads, processes, server instances on one database) work on different runs in
+parallel and never on the same run at once. A constant, not a setting: every instance must agree."""
+
+
+def try_lock(cur: Any, part: int, *, wait: bool = False) -> bool:
+    """The partition's transaction-level advisory lock (``wait``: block until it is free)."""
+    if wait:
+        cur.execute("SELECT pg_advisory_xact_lock(%s, %s)", (_LOCK_KEY, part))
+        return True
+    got = cur.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", (_LOCK_KEY, part)).fetchone()
     return bool(got and got[0])
 
 
-def read_fragments(cur: Any, limit: int) -> list[tuple[Any, ...]]:
-    """The oldest fragments: (id, run_id, age s, received_at, records, rank-step block, collective block)."""
+def pending_partitions(cur: Any, scan: int = 2000) -> list[int]:
+    """Partitions with landed fragments among the ``scan`` oldest, oldest first."""
+    rows = cur.execute(
+        "SELECT run_id %% %s, min(id) FROM (SELECT id, run_id FROM ingest_fragments ORDER BY id LIMIT %s) f "
+        "GROUP BY 1 ORDER BY 2",
+        (PARTITIONS, scan),
+    ).fetchall()
+    parts = [int(p) for p, _ in rows]
+    # landed modality tokens and phase times of runs with no fragment left (a late rank's tokens)
+    for (p,) in cur.execute(
+        "SELECT DISTINCT run_id %% %s FROM (SELECT run_id FROM modality_raw LIMIT %s) m "
+        "UNION SELECT DISTINCT run_id %% %s FROM (SELECT run_id FROM phase_raw LIMIT %s) q",
+        (PARTITIONS, scan, PARTITIONS, scan),
+    ).fetchall():
+        if int(p) not in parts:
+            parts.append(int(p))
+    return parts
+
+
+def read_fragments(cur: Any, limit: int, part: int | None = None) -> list[tuple[Any, ...]]:
+    """The oldest fragments (of one partition): (id, run_id, age s, received_at, records, rank-step
+    block, collective block)."""
+    where = "" if part is None else f"WHERE run_id %% {PARTITIONS} = %s "
+    args: tuple[Any, ...] = (limit,) if part is None else (int(part), limit)
     return cur.execute(
         "SELECT id, run_id, extract(epoch FROM now() - received_at)::float8, received_at, "
-        "n_rank_steps + n_collectives, rank_steps, collectives FROM ingest_fragments ORDER BY id LIMIT %s",
-        (limit,),
+        f"n_rank_steps + n_collectives, rank_steps, collectives FROM ingest_fragments {where}ORDER BY id LIMIT %s",
+        args,
     ).fetchall()
 
 
@@ -106,14 +140,15 @@ _FOLDED = {
 
 
 def take_modalities(cur: Any, *, force: bool, grace_s: float, run_ids: Sequence[int],
-                    steps: Sequence[int], kind: str = "modality") -> list[tuple[int, int, int, str, Any]]:
+                    steps: Sequence[int], kind: str = "modality", part: int | None = None) -> list[tuple[int, int, int, str, Any]]:
     """Delete and return (run_id, step, rank, name, value) landed rows that are ready: all with
-    ``force``, those older than the grace period, and those of the given (run, step) pairs.
-    ``kind``: "modality" (tokens per modality) or "phase" (seconds per custom phase)."""
+    ``force``, those older than the grace period, and those of the given (run, step) pairs — of the
+    runs of partition ``part`` (None: all). ``kind``: "modality" (tokens per modality) or "phase"."""
     raw, name, value, _, _ = _FOLDED[kind]
+    in_part = "" if part is None else f"t.run_id %% {PARTITIONS} = {int(part)} AND "
     return cur.execute(
-        f"DELETE FROM {raw} t WHERE %s OR t.received_at < now() - make_interval(secs => %s) "
-        "OR (t.run_id, t.step) IN (SELECT * FROM unnest(%s::int[], %s::int[])) "
+        f"DELETE FROM {raw} t WHERE {in_part}(%s OR t.received_at < now() - make_interval(secs => %s) "
+        "OR (t.run_id, t.step) IN (SELECT * FROM unnest(%s::int[], %s::int[]))) "
         f"RETURNING t.run_id, t.step, t.rank, t.{name}, t.{value}",
         (force, float(grace_s), list(run_ids), list(steps)),
     ).fetchall()

@@ -21,6 +21,7 @@ from ..jsonsafe import UnsafeValue, check_json
 from .rows import RunRow
 
 __all__ = [
+    "compaction_progress",
     "RunRow",
     "get_run",
     "list_runs",
@@ -372,3 +373,15 @@ def finish_run(engine: Engine, run_id: int, status: str, finished_at: float | No
             {"s": status, "id": run_id, "at": finished_at},
         )
     return r.rowcount > 0
+
+
+def compaction_progress(engine: Engine, since: Any) -> tuple[int, list[int], Any]:
+    """(landed rank-steps not compacted yet, runs compacted since ``since`` (a database timestamp or
+    None), the database's now) — how a server whose compaction runs in worker processes follows it."""
+    with engine.connect() as c:
+        now = c.execute(text("SELECT now()")).scalar()
+        backlog = int(c.execute(text("SELECT coalesce(sum(n_rank_steps), 0) FROM ingest_fragments")).scalar() or 0)
+        runs = [] if since is None else [int(r) for (r,) in c.execute(
+            # 60 s of overlap: a compaction transaction stamps its start time and may commit later
+            text("SELECT id FROM runs WHERE last_seen_at > :t - interval '60 seconds'"), {"t": since}).fetchall()]
+    return backlog, runs, now

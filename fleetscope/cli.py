@@ -98,6 +98,45 @@ def serve(
 
 
 @app.command()
+def retention(
+    database_url: DatabaseUrl = None,
+    data_dir: DataDir = None,
+    apply: Annotated[bool, typer.Option("--apply", help="carry the pass out (default: only show it)")] = False,
+    blocks_days: Annotated[float | None, typer.Option(help="drop per-rank blocks of runs older than this")] = None,
+    rollups_days: Annotated[float | None, typer.Option(help="drop per-step rows of runs older than this")] = None,
+    runs_days: Annotated[float | None, typer.Option(help="delete runs older than this")] = None,
+    limit: Annotated[int | None, typer.Option(help="at most this many runs")] = None,
+) -> None:
+    """Preview (default) or apply the retention policy: FLEETSCOPE_RETENTION_* settings, or these options."""
+    _setup_logging()
+    settings = _settings(database_url=database_url, data_dir=data_dir, retention_blocks_days=blocks_days,
+                         retention_rollups_days=rollups_days, retention_runs_days=runs_days)
+    from fleetscope.server import retention as ret
+    from fleetscope.server.db import make_engine, resolve_database_url, upgrade
+
+    if not ret.policy_for(settings, None).any and not settings.retention_overrides:
+        typer.secho("no retention limit set: give --blocks-days / --rollups-days / --runs-days or "
+                    "FLEETSCOPE_RETENTION_* settings", fg="yellow", err=True)
+        raise typer.Exit(2)
+    url, pg = resolve_database_url(settings.database_url, settings.data_dir)
+    try:
+        upgrade(url)
+        engine = make_engine(url, pool_size=2)
+        try:
+            rows = ret.apply(engine, settings, limit=limit) if apply else [a.as_dict() for a in ret.plan(engine, settings, limit=limit)]
+        finally:
+            engine.dispose()
+    finally:
+        if pg is not None:
+            pg.stop()
+    verb = "done" if apply else "would do"
+    typer.echo(f"retention {verb}: {len(rows)} run(s)")
+    for r in rows:
+        extra = f" ({r['steps']} steps)" if "steps" in r else (f" ({r['rows']} rows)" if "rows" in r else "")
+        typer.echo(f"  {r['action']:8} run {r['run_id']} {r['name']} [{r['family'] or '-'}] {r['age_days']} days{extra}")
+
+
+@app.command()
 def demo(
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
     data_dir: DataDir = None,

@@ -25,8 +25,9 @@ from .db import make_engine, upgrade
 from .edge import EdgeMiddleware
 from .ingest import IngestService
 from .metrics import ServiceMetrics
+from . import retention
 from .notifier import Notifier
-from .routes import alerts, benchmarks, health, ingest, runs, traces
+from .routes import alerts, benchmarks, health, ingest, nodes, runs, traces
 from .settings import Settings
 from .state import AppState
 from .store import runs as run_store
@@ -145,6 +146,7 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
         if settings.insecure_no_auth:
             log.warning("AUTH IS DISABLED (--insecure-no-auth): anyone who can reach this port can write data")
         workers: CompactionWorkers | None = None
+        keeper: retention.RetentionWorker | None = None
         follower: _CompactionFollower | None = None
         if start_background:
             if settings.compaction_workers > 0:
@@ -158,11 +160,16 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
                 state.compactor.start(settings.compact_interval_s)
             if settings.alerts_enabled:
                 state.alerts.start()
+            if retention.policy_for(settings, None).any or settings.retention_overrides:
+                keeper = retention.RetentionWorker(state.engine, settings)
+                keeper.start()
         state.ready = True
         try:
             yield
         finally:
             state.ready = False
+            if keeper is not None:
+                keeper.stop()
             if follower is not None:
                 follower.stop()
             if workers is not None:
@@ -185,7 +192,7 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
 
     app.add_middleware(EdgeMiddleware, settings=settings, get_state=lambda: getattr(app.state, "fs", None))
     app.include_router(health.router)
-    for r in (ingest.router, runs.router, benchmarks.router, traces.router, alerts.router):
+    for r in (ingest.router, runs.router, benchmarks.router, traces.router, alerts.router, nodes.router):
         app.include_router(r, prefix="/api/v1")
 
     @app.exception_handler(DataError)

@@ -93,6 +93,8 @@ class Run(Base):
     collective_records: Mapped[int] = mapped_column(BigInteger, server_default="0")
     steps: Mapped[int] = mapped_column(Integer, server_default="0")
     last_step: Mapped[int | None] = mapped_column(Integer)
+    thinned: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    """what retention removed: {"blocks": iso time, "rollups": iso time} (migration 0008)"""
 
 
 class Rank(Base):

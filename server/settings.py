@@ -49,6 +49,14 @@ class Settings(BaseSettings):
     compaction_workers: int = Field(default=0, ge=0, le=64, description=(
         "compaction processes; 0: a thread of the server process compacts. With N > 0 the server only "
         "serves and N worker processes compact in parallel (partitioned by run)"))
+    retention_blocks_days: float | None = Field(default=None, ge=0, description=(
+        "drop a finished run's per-rank blocks this many days after it last changed (None: keep)"))
+    retention_rollups_days: float | None = Field(default=None, ge=0, description="drop its per-step rows too")
+    retention_runs_days: float | None = Field(default=None, ge=0, description="delete the run")
+    retention_overrides: dict[str, dict[str, float | None]] | None = Field(default=None, description=(
+        'per family: {"family": {"blocks_days": 7, "rollups_days": 90, "runs_days": null}} (JSON)'))
+    retention_interval_s: float = Field(default=3600.0, gt=0, description="how often retention is applied")
+    retention_batch_runs: int = Field(default=20, ge=1, description="runs thinned or deleted per pass at most")
     pool_size: int = 8
     public_url: str | None = Field(default=None, description="dashboard base URL used in deep links")
     slack_webhook_url: str | None = Field(default=None, repr=False)
@@ -57,6 +65,11 @@ class Settings(BaseSettings):
     alert_interval_s: float = Field(default=5.0, description="at most one detection pass this often")
     alert_step_check_interval_s: float = Field(default=60.0, description="within-run detection per running run")
 
+    @field_validator("retention_overrides", mode="before")
+    @classmethod
+    def _overrides(cls, v: Any) -> Any:
+        return parse_overrides(v)
+
     @field_validator("allowed_hosts", mode="before")
     @classmethod
     def _comma_separated(cls, v: Any) -> Any:
@@ -64,3 +77,26 @@ class Settings(BaseSettings):
         if isinstance(v, str):
             return [h.strip() for h in v.split(",") if h.strip()]
         return v
+
+
+def parse_overrides(v: Any) -> dict[str, dict[str, float]] | None:
+    """``{"family": {"blocks_days": 7, ...}}`` from JSON text or a dict; a clear error otherwise."""
+    if v is None or v == "":
+        return None
+    if isinstance(v, str):
+        import json
+
+        try:
+            v = json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"retention_overrides must be JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise ValueError("retention_overrides must be an object {family: {blocks_days, rollups_days, runs_days}}")
+    keys = {"blocks_days", "rollups_days", "runs_days"}
+    for fam, pol in v.items():
+        if not isinstance(pol, dict) or not set(pol) <= keys:
+            raise ValueError(f"retention_overrides[{fam!r}] must be an object with some of {sorted(keys)}")
+        for k, x in pol.items():
+            if x is not None and (not isinstance(x, (int, float)) or isinstance(x, bool) or x < 0):
+                raise ValueError(f"retention_overrides[{fam!r}].{k} must be a number of days ≥ 0 or null")
+    return v

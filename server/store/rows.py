@@ -39,11 +39,14 @@ class RunRow:
     last_step: int | None
     pending_rank_steps: int = 0
     pending_collectives: int = 0
+    thinned: dict[str, Any] | None = None  # what retention removed ({"blocks": iso, "rollups": iso})
 
     @property
-    def version(self) -> tuple[int, int, int, int | None, str]:
-        """Changes whenever compaction folds data into the run or its status changes (cache key)."""
-        return (self.rank_steps, self.collective_records, self.steps, self.last_step, self.status)
+    def version(self) -> tuple[int, int, int, int | None, str, int]:
+        """Changes whenever compaction folds data into the run, its status changes or retention thins
+        it (cache key)."""
+        return (self.rank_steps, self.collective_records, self.steps, self.last_step, self.status,
+                len(self.thinned or ()))
 
     def as_dict(self) -> dict[str, Any]:
         """The run as the API shows it: counters include what landed but is not compacted yet."""
@@ -55,7 +58,7 @@ class RunRow:
             "finished_at": self.finished_at, "last_seen_at": self.last_seen_at,
             "rank_steps": self.rank_steps + self.pending_rank_steps,
             "collective_records": self.collective_records + self.pending_collectives,
-            "steps": self.steps, "last_step": self.last_step,
+            "steps": self.steps, "last_step": self.last_step, "thinned": self.thinned,
         }  # fmt: skip
 
 

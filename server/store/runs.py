@@ -45,7 +45,8 @@ __all__ = [
 
 _COLS = (
     "id, name, model_family, config, config_signature, world_size, mp_size, device_type, device_count, peak_flops, "
-    "git_commit, status, meta, started_at, finished_at, last_seen_at, rank_steps, collective_records, steps, last_step"
+    "git_commit, status, meta, started_at, finished_at, last_seen_at, rank_steps, collective_records, steps, last_step, "
+    "thinned"
 )
 
 
@@ -62,6 +63,7 @@ def _row(r: Any) -> RunRow:
         git_commit=m["git_commit"], status=m["status"], meta=_readable(m["meta"], "meta"), started_at=_iso(m["started_at"]),
         finished_at=_iso(m["finished_at"]), last_seen_at=_iso(m["last_seen_at"]), rank_steps=int(m["rank_steps"]),
         collective_records=int(m["collective_records"]), steps=int(m["steps"]), last_step=m["last_step"],
+        thinned=m["thinned"] if isinstance(m.get("thinned"), dict) else None,
     )  # fmt: skip
 
 

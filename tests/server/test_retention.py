@@ -40,7 +40,7 @@ def test_policy_preview_apply_and_thinned_runs_still_summarise(live_server: Any,
         young = _load(c, "young", "a", 1, engine)
         mid = _load(c, "mid", "a", 10, engine)
         old = _load(c, "old", "a", 40, engine)
-        ancient = _load(c, "ancient", "a", 400, engine)
+        _load(c, "ancient", "a", 400, engine)
         keep = _load(c, "kept-family", "b", 400, engine)  # family b keeps everything
         live_server.compact()
         before = {r: c.summary(r) for r in (mid, old)}

@@ -36,7 +36,7 @@ from .clock import CpuClock, make_clock
 from .collective_stats import CollectiveStats
 from .config import AgentConfig
 from .memory import NullSampler, make_sampler
-from .mfu import FlopMeter, compile_seen
+from .mfu import FlopMeter, FlopRates, compile_seen, flop_rates
 from .pending import PendingSteps
 from .protocols import Clock, HookHandle, Mark, MemorySampler, MemSample, StepTracer, Transport
 from .step_state import (
@@ -80,7 +80,7 @@ class StepMachine:
         "_mem", "_mem_every", "_mem_interval", "_mem_next", "_mem_val",
         "_tid", "_step", "_stack", "_cur", "_fast", "_durs", "_zeros", "_t0", "_last", "_in_coll",
         "_gap", "_state_names", "_flops_per_step", "_flops_per_token", "_flops_given", "_flop_meter",
-        "_flop_watch", "_collectives_installed", "_collectives_tried",
+        "_flop_watch", "_collectives_installed", "_collectives_tried", "_flop_rates", "_flop_split",
     )  # fmt: skip
 
     def __init__(
@@ -153,6 +153,8 @@ class StepMachine:
         self._flops_given = flops_source == "given" and flops_per_step is not None
         self._flop_meter: FlopMeter | None = None
         self._flop_watch = flops_source == "measured" and config.measure_flops
+        self._flop_rates: FlopRates | None = None  # model/hardware FLOPs per position, once measured
+        self._flop_split: tuple[int | None, int | None] = (None, None)  # (forward, recompute) of the measured step
         self._collectives_installed = False
         self._collectives_tried = not config.collectives
 
@@ -365,14 +367,18 @@ class StepMachine:
             self._error("flops", e)
             return
         if st is not None and flops:
-            st.flops = flops
+            st.flops = flops  # hardware: everything counted
             st.flags |= FLAG_FLOPS_MEASURED
+            if meter is not None:
+                self._flop_split = (meter.forward, meter.recompute)
 
-    def _record_measured_flops(self, st: StepData) -> None:
-        flops = st.flops
-        if not flops:
-            return
-        self._flops_per_step = float(flops)
-        if st.padded or st.tokens:
-            self._flops_per_token = flops / (st.padded or st.tokens)  # type: ignore[operator]
-        self._event("flops", st.index, {"flops": float(flops), "tokens": st.tokens, "source": "measured"})
+    def _record_measured_flops(self, st: StepData) -> tuple[float, float]:
+        """(model, hardware) FLOPs of the measured step; the rates every later step is scaled by
+        (mfu.flop_rates: model = counted − recomputed, per real token; hardware per padded token)."""
+        total = float(st.flops or 0)
+        fwd, rec = self._flop_split
+        rates = self._flop_rates = flop_rates(total, rec, st.tokens, st.padded)
+        model, hw = rates.step(st.tokens, st.padded)
+        self._event("flops", st.index, {"flops": model, "hw_flops": hw, "forward_flops": fwd, "recompute_flops": rec,
+                                        "tokens": st.tokens, "padded_tokens": st.padded, "source": "measured"})
+        return model, hw

@@ -4,6 +4,14 @@ Sources of a step's FLOPs, in priority order, recorded with the number (``flops_
 ``"given"`` (``flops_per_step``/``flops_per_token``), ``"measured"`` (``FlopCounterMode`` over the
 forward and backward of the first step), ``"estimated"`` (the PaLM dense-transformer formula).
 torch is imported only by :class:`FlopMeter`, i.e. only when a measurement starts.
+
+Model vs hardware FLOPs (docs/metrics.md, "MFU and HFU"): a measurement counts what the device ran —
+*hardware* FLOPs, activation recomputation included. :class:`FlopMeter` splits the count by where
+each op ran: outside autograd's backward (``forward``), inside it with grad mode off (``backward``),
+inside it with grad mode on (``recompute``: ``torch.utils.checkpoint`` re-running a forward to rebuild
+activations, reentrant or not). Model FLOPs = hardware − recompute; per token, both are taken per
+computed position (padded token) of the measured step, and a step's model FLOPs count its real tokens,
+its hardware FLOPs its padded ones.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ __all__ = [
     "palm_flops_per_token",
     "mfu",
     "FlopMeter",
+    "FlopRates",
+    "flop_rates",
 ]
 
 #: Dense (no sparsity) peak FLOP/s per device for bf16/fp16 training, from the vendors' datasheets.
@@ -69,25 +79,29 @@ def mfu(flops: float | None, step_s: float | None, peak: float | None) -> float 
 
 
 class FlopMeter:
-    """Counts FLOPs with ``torch.utils.flop_counter.FlopCounterMode`` between ``start`` and ``stop``.
+    """Counts FLOPs with ``torch.utils.flop_counter.FlopCounterMode`` between ``start`` and ``stop``,
+    split into ``forward``, ``backward`` and ``recompute`` (module docstring).
 
     Entered and left from hooks (forward pre-hook ... optimizer pre-hook), so it is driven by explicit
     ``start``/``stop`` rather than a ``with`` block. Used once per run: the dispatch-mode overhead
-    slows the measured step, which is flagged (``FLAG_FLOPS_MEASURED``).
+    slows the measured step, which is flagged (``FLAG_FLOPS_MEASURED``). ``recompute`` is None when
+    the split is not available (a torch without ``torch._C._current_graph_task_id``, or the counter's
+    internals changed): the total is still counted.
     """
 
     def __init__(self) -> None:
         self._mode: Any = None
         self.flops: int | None = None
+        self.forward: int | None = None
+        self.backward: int | None = None
+        self.recompute: int | None = None
 
     @property
     def active(self) -> bool:
         return self._mode is not None
 
     def start(self) -> None:
-        from torch.utils.flop_counter import FlopCounterMode
-
-        self._mode = FlopCounterMode(display=False)
+        self._mode = _split_counter_class()(display=False)
         self._mode.__enter__()
 
     def stop(self) -> int | None:
@@ -96,7 +110,88 @@ class FlopMeter:
             return self.flops
         mode.__exit__(None, None, None)
         self.flops = int(mode.get_total_flops())
+        if getattr(mode, "split_ok", False):
+            self.forward, self.backward, self.recompute = int(mode.fwd), int(mode.bwd), int(mode.rec)
         return self.flops
+
+
+_split_cls: Any = None
+
+
+def _split_counter_class() -> Any:
+    """``FlopCounterMode`` that also sums each counted op into forward / backward / recompute (built
+    once, on first use: torch is imported here)."""
+    global _split_cls
+    if _split_cls is not None:
+        return _split_cls
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    task_id: Any = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside autograd's backward
+    grad_on = torch.is_grad_enabled
+
+    class SplitFlopCounterMode(FlopCounterMode):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.fwd = self.bwd = self.rec = 0
+            self.split_ok = task_id is not None
+
+        def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+            if not self.split_ok:
+                return super()._count_flops(func_packet, out, args, kwargs)
+            try:
+                g = self.flop_counts["Global"]
+                before = g.get(func_packet, 0)
+            except Exception:  # noqa: BLE001 - torch's internals changed: count the total only
+                self.split_ok = False
+                return super()._count_flops(func_packet, out, args, kwargs)
+            res = super()._count_flops(func_packet, out, args, kwargs)
+            try:
+                n = g.get(func_packet, 0) - before
+                if n:
+                    if task_id() == -1:
+                        self.fwd += n
+                    elif grad_on():  # a forward re-run inside backward: activation checkpointing
+                        self.rec += n
+                    else:
+                        self.bwd += n
+            except Exception:  # noqa: BLE001 - never raise into the training step
+                self.split_ok = False
+            return res
+
+    _split_cls = SplitFlopCounterMode
+    return _split_cls
+
+
+class FlopRates:
+    """What one measured step teaches about every later step: FLOPs per computed position (padded
+    token) — model and hardware — and, for steps without token counts, per step."""
+
+    __slots__ = ("model_per_pos", "hw_per_pos", "model_per_step", "hw_per_step")
+
+    def __init__(self, model_per_pos: float | None, hw_per_pos: float | None, model_per_step: float,
+                 hw_per_step: float) -> None:
+        self.model_per_pos = model_per_pos
+        self.hw_per_pos = hw_per_pos
+        self.model_per_step = model_per_step
+        self.hw_per_step = hw_per_step
+
+    def step(self, tokens: int | None, padded: int | None) -> tuple[float, float]:
+        """(model, hardware) FLOPs of a step with these counts: model over its real tokens, hardware
+        over the positions computed (padded tokens; the real ones when padding is not counted)."""
+        if self.model_per_pos is not None and self.hw_per_pos is not None and (tokens or padded):
+            return self.model_per_pos * (tokens or padded), self.hw_per_pos * (padded or tokens)  # type: ignore[operator]
+        return self.model_per_step, self.hw_per_step
+
+
+def flop_rates(total: float, recompute: float | None, tokens: int | None, padded: int | None) -> FlopRates:
+    """Rates from one measured step: ``total`` FLOPs counted (hardware), ``recompute`` of them re-run
+    forwards (None: unknown, counted as model FLOPs), over ``padded`` (else ``tokens``) positions."""
+    model = total - (recompute or 0.0)
+    positions = padded or tokens
+    if positions:
+        return FlopRates(model / positions, total / positions, model, total)
+    return FlopRates(None, None, model, total)
 
 
 # --- torch.compile and the FLOP measurement -------------------------------------------------------
@@ -143,4 +238,4 @@ def watch_torch_compile() -> None:
     compile.__wrapped__ = fn  # type: ignore[attr-defined]
     compile.__doc__ = fn.__doc__
     compile._fleetscope = True  # type: ignore[attr-defined]
-    torch.compile = compile
+    setattr(torch, "compile", compile)  # noqa: B010 - torch is a Module | None to mypy here

@@ -161,14 +161,16 @@ def record(run: StepMachine, st: StepData, durs: list[int], step_ns: int, comm_t
         other_ns = 0
         run.counters["negative_residuals"] += 1
     flops: float | None
+    hw_flops: float | None = None  # hardware FLOPs: known once measured (recompute and padding included)
     if run._flops_given:
         flops = run._flops_per_step
     elif st.flops is not None:
-        flops = float(st.flops)
-        run._record_measured_flops(st)
-    elif run._flops_per_token is not None and (st.padded or st.tokens):
-        # the device computes every position of a padded batch: scale by padded tokens when known
-        flops = run._flops_per_token * (st.padded or st.tokens)  # type: ignore[operator]
+        flops, hw_flops = run._record_measured_flops(st)
+    elif run._flop_rates is not None:
+        flops, hw_flops = run._flop_rates.step(st.tokens, st.padded)
+    elif run._flops_per_token is not None and (st.tokens or st.padded):
+        # model FLOPs (given or estimated per token) count the real tokens: padding is not model work
+        flops = run._flops_per_token * (st.tokens or st.padded)  # type: ignore[operator]
     else:
         flops = run._flops_per_step
     has_comm = run._collectives_installed or bool(st.calls)
@@ -200,6 +202,7 @@ def record(run: StepMachine, st: StepData, durs: list[int], step_ns: int, comm_t
             mem[2],
             mem[3],
             flags,
+            hw_flops,
         ),
     )
     if st.modality:

@@ -165,7 +165,7 @@ def rank_step_rows(spec: RunSpec, step_lo: int = 0, step_hi: int | None = None) 
                 "alloc_retries": 0,
                 "flags": 0,
             }
-            rows.append(tuple(rec[n] for n in names))
+            rows.append(tuple(rec.get(n) for n in names))  # fields not simulated (hw_flops): not measured
         ts += max(work) + own_exposed
         yield step, rows
 

@@ -85,12 +85,15 @@ RANK_STEP_FIELDS: tuple[Field, ...] = (
     Field("tokens", "int", doc="tokens processed this step (real, not padding)"),
     Field("padded_tokens", "int", doc="tokens including padding"),
     Field("samples", "int"),
-    Field("flops", "float", doc="model FLOPs of this step on this rank"),
+    Field("flops", "float", doc="model FLOPs of this step on this rank: real tokens, no recomputation (MFU)"),
     Field("mem_allocated_bytes", "int"),
     Field("mem_reserved_bytes", "int"),
     Field("mem_peak_bytes", "int", doc="peak allocated since the previous step"),
     Field("alloc_retries", "int", doc="caching allocator num_alloc_retries delta"),
     Field("flags", "int", doc="bit 0: negative residual measured (other_s set to 0)"),
+    # optional fields added later go at the end: an older client's shorter rows stay valid
+    Field("hw_flops", "float", doc="hardware FLOPs of this step on this rank: padded tokens and activation "
+          "recomputation included (HFU); absent unless measured"),
 )
 
 COLLECTIVE_OPS: tuple[str, ...] = (

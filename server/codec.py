@@ -133,6 +133,7 @@ STEP_BLOCK_FIELDS: tuple[tuple[str, str], ...] = (
     ("mem_reserved_bytes", "<f8"),
     ("mem_peak_bytes", "<f8"),
     ("alloc_retries", "<f4"),
+    ("hw_flops", "<f4"),  # added later: older blocks decode it as 0 (read as not measured)
 )
 
 COLL_BLOCK_FIELDS: tuple[tuple[str, str], ...] = (

@@ -53,11 +53,12 @@ _MEDIAN_COLS = (
     "backward_s",
     "optimizer_s",
 )
-_SUM_COLS = ("tokens", "padded_tokens", "samples", "flops", "alloc_retries")
+_SUM_COLS = ("tokens", "padded_tokens", "samples", "flops", "alloc_retries", "hw_flops")
 _ROLL_FLOATS = (
     "ts", "step_s", "data_s", "compute_s", "comm_exposed_s", "other_s", "comm_total_s", "forward_s", "backward_s",
     "optimizer_s", "step_s_max", "work_s", "work_s_max",
     "tokens", "padded_tokens", "samples", "flops", "mem_peak_bytes", "mem_reserved_bytes", "alloc_retries",
+    "hw_flops",  # last: written after the blocks (store.compaction.STEP_COLUMNS)
 )  # fmt: skip
 _MAX_COLS = ("mem_peak_bytes", "mem_reserved_bytes")
 
@@ -307,6 +308,8 @@ class Compactor:
                 dst[n].append(src[n])
         S = {n: np.concatenate(v) for n, v in cols.items()}
         C = {n: np.concatenate(v) for n, v in ccols.items()}
+        # hardware FLOPs came later: blocks and fragments written before decode them as 0 (not measured)
+        S["hw_flops"] = np.where(S["hw_flops"] > 0, S["hw_flops"], np.nan)
 
         # groups = (run_id, step) present in either table, sorted
         keys_s = S["run_id"] * (1 << 32) + S["step"]
@@ -363,8 +366,8 @@ class Compactor:
                 fl = [None if x != x else x for x in floats[g].tolist()]
                 yield (
                     int(run_ids[g]), int(steps[g]), int(n_ranks[g]), *fl[:13],
-                    int(slow[g]) if slow[g] >= 0 else None, *fl[13:],
-                    int(neg[g]), int(n_coll[g]), rank_bits, block, coll_block,
+                    int(slow[g]) if slow[g] >= 0 else None, *fl[13:-1],
+                    int(neg[g]), int(n_coll[g]), rank_bits, block, coll_block, fl[-1],
                 )  # fmt: skip
 
         store.write_steps(cur, step_rows())

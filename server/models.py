@@ -177,6 +177,7 @@ class Step(Base):
     ranks: Mapped[str] = mapped_column(BIT(varying=True))  # bit r set = rank r present
     block: Mapped[bytes] = mapped_column(LargeBinary)
     coll_block: Mapped[bytes | None] = mapped_column(LargeBinary)
+    hw_flops: Mapped[float | None] = mapped_column(Double)  # sum over ranks; flops = model FLOPs (migration 0009)
 
 
 class RunCollective(Base):
@@ -387,3 +388,47 @@ class RunStat(Base):
 
 
 __all__ += ["RankRollup", "RankWindow", "RunStat"]
+
+
+# --- kernel hotspots (migration 0009; server/analysis/kernels.py) ----------------------------------
+
+
+class RunKernel(Base):
+    """Per-(run, rank, kernel) sums over the rank's sampled trace windows; at most
+    ``analysis.kernels.MAX_NAMES`` names per run (later ones are summed into their category's other row)."""
+
+    __tablename__ = "run_kernels"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(512), primary_key=True)
+    category: Mapped[str] = mapped_column(String(16))
+    time_us: Mapped[float] = mapped_column(Double)  # summed kernel time over the windows
+    launches: Mapped[int] = mapped_column(BigInteger)
+    windows: Mapped[int] = mapped_column(Integer)  # windows the kernel appears in
+    first_us: Mapped[float] = mapped_column(Double)  # per profiled step, in the rank's first window
+    last_us: Mapped[float] = mapped_column(Double)  # per profiled step, in the rank's last window
+
+
+class RunKernelRank(Base):
+    """Per-(run, rank) totals of the folded windows."""
+
+    __tablename__ = "run_kernel_ranks"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    windows: Mapped[int] = mapped_column(Integer)
+    steps: Mapped[int] = mapped_column(Integer)  # profiled steps over the windows
+    kernel_us: Mapped[float] = mapped_column(Double)
+    first_step: Mapped[int] = mapped_column(Integer)
+    last_step: Mapped[int] = mapped_column(Integer)
+
+
+class RunKernelWindow(Base):
+    """A ``trace_summary`` event (run, rank, seq) already folded into ``run_kernels``."""
+
+    __tablename__ = "run_kernel_windows"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+
+
+__all__ += ["RunKernel", "RunKernelRank", "RunKernelWindow"]

@@ -27,6 +27,7 @@ __all__ = [
     "METRICS",
     "run_figures",
     "mfu",
+    "recompute_overhead",
     "tokens_per_s",
     "step_s_per_1k_tokens",
     "overlap_ratio",
@@ -37,7 +38,7 @@ __all__ = [
 ]
 
 #: bumped when a figure's definition changes: cached figures of another version are recomputed
-FIGURES_VERSION = 3
+FIGURES_VERSION = 4
 
 #: the step-time components in stacking order: (decomposition key, label)
 COMPONENTS = (("data_s", "data"), ("compute_s", "compute"), ("comm_exposed_s", "exposed comm"), ("other_s", "other"))
@@ -59,6 +60,24 @@ X = TypeVar("X", float, np.ndarray)
 def mfu(flops_per_dev_s: X, peak_flops: float) -> X:
     """Model FLOPs utilisation: FLOPs done per device-second over the device's peak FLOP/s."""
     return flops_per_dev_s / peak_flops
+
+
+#: below this, measured recomputation is rounding, not activation checkpointing
+RECOMPUTE_MIN = 1e-3
+
+
+def recompute_overhead(hw_flops: float | None, model_flops: float | None, tokens: float | None,
+                       padded_tokens: float | None) -> float | None:
+    """Extra FLOPs activation recomputation adds, as a fraction of the model FLOPs of the same positions:
+    ``hw / (model × padding) − 1`` with ``padding = padded / real tokens`` (1 when either is unknown),
+    over the steps that measured hardware FLOPs. The agent's hardware FLOPs are ``model × padding ×
+    (1 + r)`` by construction, so this is r (0.33 = a third more FLOPs than the model needs). None when
+    not measured or below ``RECOMPUTE_MIN`` (no checkpointing)."""
+    if not hw_flops or not model_flops or hw_flops <= 0 or model_flops <= 0:
+        return None
+    padding = padded_tokens / tokens if tokens and padded_tokens and tokens > 0 and padded_tokens > 0 else 1.0
+    r = hw_flops / (model_flops * padding) - 1.0
+    return r if r >= RECOMPUTE_MIN else None
 
 
 def tokens_per_s(tokens_per_s_raw: X, mp_size: int | None) -> X:
@@ -137,6 +156,8 @@ class RunFigures:
     straggler_wait_s: float | None = None
     overlap_ratio: float | None = None
     mfu: float | None = None
+    hfu: float | None = None  # hardware FLOPs utilisation: padding and recomputation included
+    recompute_overhead: float | None = None  # see recompute_overhead(); None without checkpointing
     tokens_per_s: float | None = None
     tokens_per_s_per_gpu: float | None = None
     tokens_per_rank_step: float | None = None
@@ -204,6 +225,9 @@ def run_figures(run: RunRow, a: RunAggregate | None) -> RunFigures:
         straggler_wait_s=a.straggler_wait_s,
         overlap_ratio=overlap_ratio(a.comm_exposed_s, a.comm_total_s),
         mfu=mfu(a.flops_per_dev_s, run.peak_flops) if a.flops_per_dev_s is not None and run.peak_flops else None,
+        hfu=mfu(a.hw_flops_per_dev_s, run.peak_flops) if a.hw_flops_per_dev_s is not None and run.peak_flops else None,
+        recompute_overhead=recompute_overhead(a.sum_hw_flops, a.sum_flops_with_hw, a.sum_tokens_with_hw,
+                                              a.sum_padded_with_hw),
         tokens_per_s=tps,
         tokens_per_s_per_gpu=per_gpu,
         tokens_per_rank_step=a.tokens_per_rank_step,

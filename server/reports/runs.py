@@ -161,6 +161,8 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
         "step_s_p50": fig.step_s,
         "step_s_p95": fig.step_s_p95,
         "mfu": fig.mfu,
+        "hfu": fig.hfu,
+        "recompute_overhead": fig.recompute_overhead,
         "mfu_estimated": meta.get("flops_source") == "estimated",
         "flops_source": meta.get("flops_source"),
         "tokens_per_s": fig.tokens_per_s,

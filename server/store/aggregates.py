@@ -42,7 +42,11 @@ SELECT run_id, count(*) AS n,
   sum(tokens) AS sum_tokens, sum(padded_tokens) AS sum_padded_tokens, max(mem_peak_bytes) AS mem_peak_bytes,
   sum(alloc_retries) AS alloc_retries, sum(neg_residual) AS neg_residual_steps,
   {_med(PER_STEP["skew"], "skew_p50")}, {_med(PER_STEP["skew"], "skew_p95", 0.95)}, max({PER_STEP["skew"]}) AS skew_max,
-  min(ts) AS first_ts, max(ts) AS last_ts
+  min(ts) AS first_ts, max(ts) AS last_ts,
+  {_med(PER_STEP["hw_flops_per_dev_s"], "hw_flops_per_dev_s")}, sum(hw_flops) AS sum_hw_flops,
+  sum(flops) FILTER (WHERE hw_flops IS NOT NULL) AS sum_flops_with_hw,
+  sum(tokens) FILTER (WHERE hw_flops IS NOT NULL) AS sum_tokens_with_hw,
+  sum(padded_tokens) FILTER (WHERE hw_flops IS NOT NULL) AS sum_padded_with_hw
 FROM steps WHERE run_id = ANY(:ids) AND n_ranks > 0 GROUP BY run_id
 """
 

@@ -43,10 +43,10 @@ STEP_COLUMNS = (
     "run_id", "step", "n_ranks", "ts", "step_s", "data_s", "compute_s", "comm_exposed_s", "other_s", "comm_total_s",
     "forward_s", "backward_s", "optimizer_s", "step_s_max", "work_s", "work_s_max", "slowest_rank", "tokens",
     "padded_tokens", "samples", "flops", "mem_peak_bytes", "mem_reserved_bytes", "alloc_retries", "neg_residual",
-    "coll_records", "ranks", "block", "coll_block",
+    "coll_records", "ranks", "block", "coll_block", "hw_flops",
 )  # fmt: skip
 _STEP_COPY_TYPES = ["int4", "int4", "int4", *(["float8"] * 13), "int4", *(["float8"] * 7), "int4", "int4",
-                    "text", "bytea", "bytea"]  # fmt: skip
+                    "text", "bytea", "bytea", "float8"]  # fmt: skip
 
 
 @contextmanager

@@ -121,6 +121,12 @@ class RunAggregate:
     skew_max: float | None
     first_ts: float | None
     last_ts: float | None
+    # hardware FLOPs (HFU); the model FLOPs and token sums of the steps that measured them (recompute overhead)
+    hw_flops_per_dev_s: float | None = None
+    sum_hw_flops: float | None = None
+    sum_flops_with_hw: float | None = None
+    sum_tokens_with_hw: float | None = None
+    sum_padded_with_hw: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

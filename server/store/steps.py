@@ -36,12 +36,15 @@ ROLLUP_COLUMNS: tuple[str, ...] = (
     "step", "n_ranks", "ts", "step_s", "data_s", "compute_s", "comm_exposed_s", "other_s", "comm_total_s",
     "forward_s", "backward_s", "optimizer_s", "step_s_max", "work_s", "work_s_max", "slowest_rank", "tokens",
     "padded_tokens", "samples", "flops", "mem_peak_bytes", "mem_reserved_bytes", "alloc_retries", "neg_residual",
+    "hw_flops",
 )  # fmt: skip
 
 #: per-step quantities derived from the rollup columns; loadable as frame columns by name
 PER_STEP: dict[str, str] = {
     # FLOPs done per device-second of the step: MFU = this / peak FLOP/s (analysis.figures.mfu)
     "flops_per_dev_s": "flops / nullif(n_ranks * step_s, 0)",
+    # hardware FLOPs (padding and recomputation included) per device-second: HFU = this / peak
+    "hw_flops_per_dev_s": "hw_flops / nullif(n_ranks * step_s, 0)",
     # tokens per second of the step, before dividing by the model-parallel size (analysis.figures.tokens_per_s)
     "tokens_per_s_raw": "tokens / nullif(step_s, 0)",
     "tokens_per_rank": "tokens / nullif(n_ranks, 0)",

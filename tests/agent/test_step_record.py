@@ -139,7 +139,8 @@ def test_fast_and_general_paths_emit_identical_records(scripted: Any) -> None:
     assert st["other_s"] == 1e-9
     assert parts_sum(st) == pytest.approx(st["step_s"], rel=1e-12, abs=0)
     assert (st["tokens"], st["padded_tokens"], st["samples"], st["flags"]) == (18, 20, 3, 0)
-    assert st["flops"] == 6.0 * 20  # per token, scaled by the padded tokens
+    assert st["flops"] == 6.0 * 18  # model FLOPs per token given: the real tokens, padding excluded
+    assert st["hw_flops"] is None  # hardware FLOPs only when measured
     assert st["mem_allocated_bytes"] == 123_456
     assert [(c["seq"], c["group_size"], c["bytes"], c["total_s"], c["exposed_s"]) for c in tx.collectives()] == [
         (0, 4, 4096, 7e-9, 7e-9),

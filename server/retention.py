@@ -78,8 +78,7 @@ def _policies(settings: Settings) -> list[Policy]:
 
 def plan(engine: Engine, settings: Settings, *, limit: int | None = None) -> list[Action]:
     """What a pass would do now, oldest runs first: at most one action per run (the strongest due)."""
-    ages = [p.youngest() for p in _policies(settings)]
-    ages = [a for a in ages if a is not None]
+    ages = [a for a in (p.youngest() for p in _policies(settings)) if a is not None]
     if not ages:
         return []
     out: list[Action] = []
@@ -105,7 +104,7 @@ def apply(engine: Engine, settings: Settings, *, limit: int | None = None) -> li
     done = []
     for a in plan(engine, settings, limit=limit):
         if a.action == "delete":
-            counts = run_store.delete_run(engine, a.run_id)
+            counts = run_store.delete_run(engine, a.run_id) or {}
             done.append({**a.as_dict(), "rows": sum(counts.values())})
             continue
         run = run_store.get_run(engine, a.run_id, pending=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from sqlalchemy import Engine, text
 
 from ..codec import STEP_BLOCK_FIELDS, encode_block
@@ -18,7 +19,7 @@ __all__ = ["Candidate", "candidates", "thin_blocks", "drop_rollups", "mark_thinn
 Candidate = tuple[int, str, str | None, float, dict[str, Any] | None]
 """(run id, name, family, age in days, thinned so far)."""
 
-EMPTY_BLOCK = encode_block(STEP_BLOCK_FIELDS, {n: [] for n, _ in STEP_BLOCK_FIELDS})
+EMPTY_BLOCK = encode_block(STEP_BLOCK_FIELDS, {n: np.empty(0) for n, _ in STEP_BLOCK_FIELDS})
 """What a thinned step's ``block`` holds: no rank rows (the column is NOT NULL; readers see 0 ranks)."""
 
 

@@ -232,6 +232,9 @@ def _init(
 
     compile_watch.install(run)  # torch.compile health, once torch._dynamo is imported (compile_watch.py)
     run_mod._set_active(run)
+    from . import pipeline_watch
+
+    run._hooks.append(pipeline_watch.attach(run))  # pipeline stages and schedules (pipeline_watch.py)
     _install_process_hooks()
     return run
 

@@ -130,6 +130,9 @@ class _TorchWatcher(importlib.abc.MetaPathFinder):
 def _on_torch_imported() -> None:
     if _started or _module_hooks or is_launcher_process():
         return
+    from . import pipeline_watch
+
+    pipeline_watch.arm()  # pipeline stages built before the run starts are reported when it does
     from torch.nn.modules import module as mm
 
     _module_hooks.append(mm.register_module_forward_pre_hook(_global_pre))

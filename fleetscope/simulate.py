@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-__all__ = ["simulate", "parse_straggler", "run_simulation"]
+__all__ = ["simulate", "parse_straggler", "parse_shift", "parse_config_json", "run_simulation"]
 
 
 def parse_straggler(value: str | None) -> dict[int, float]:
@@ -34,6 +34,43 @@ def parse_straggler(value: str | None) -> dict[int, float]:
     return out
 
 
+def parse_shift(value: str | None) -> dict[str, float]:
+    """``"COMPONENT=FACTOR"``, several comma-separated (e.g. ``comm_exposed_s=2.5``) → {component: factor}."""
+    import math
+
+    from .synthetic import SHIFT_COMPONENTS
+
+    out: dict[str, float] = {}
+    for part in (value or "").split(","):
+        if not part.strip():
+            continue
+        comp, sep, factor_s = part.strip().partition("=")
+        try:
+            factor = float(factor_s)
+        except ValueError:
+            factor = float("nan")
+        if not sep or comp not in SHIFT_COMPONENTS or not math.isfinite(factor) or factor <= 0:
+            raise typer.BadParameter(f"--shift expects COMPONENT=FACTOR with COMPONENT one of "
+                                     f"{', '.join(SHIFT_COMPONENTS)} and FACTOR > 0, got {part.strip()!r}")
+        out[comp] = factor
+    return out
+
+
+def parse_config_json(value: str | None) -> dict | None:
+    """``--config-json``: a JSON object laid over the synthetic run's config (None when not given)."""
+    import json
+
+    if value is None:
+        return None
+    try:
+        cfg = json.loads(value)
+    except ValueError as e:
+        raise typer.BadParameter(f"--config-json is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise typer.BadParameter(f"--config-json must be a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
 def run_simulation(
     *,
     server: str,
@@ -49,6 +86,9 @@ def run_simulation(
     realtime: bool = False,
     spool_dir: str | None = None,
     flush_timeout_s: float = 120.0,
+    shift: dict[str, float] | None = None,
+    config: dict | None = None,
+    git_commit: str | None = None,
 ) -> dict:
     """Send the run; returns the transport's counters. Raises RuntimeError if anything was lost."""
     from fleetscope.agent.config import AgentConfig
@@ -57,7 +97,7 @@ def run_simulation(
     from .synthetic import RunSpec, collective_rows, rank_step_rows
 
     spec = RunSpec(name=run, family=family, world_size=ranks, steps=steps, seed=seed, straggler=straggler or {},
-                   gpu=gpu, step_ms=step_ms)
+                   gpu=gpu, step_ms=step_ms, shift=shift or {}, config=config, git_commit=git_commit)
     if realtime:
         spec.start_ts = time.time()
     info = spec.run_info()
@@ -104,6 +144,11 @@ def simulate(
     gpu: Annotated[str, typer.Option("--gpu", help="device type (peak FLOP/s from docs/metrics.md)")] = "H100",
     step_ms: Annotated[Optional[float], typer.Option("--step-ms", min=1.0, help="median step time in ms")] = None,
     realtime: Annotated[bool, typer.Option("--realtime", help="emit steps at the step time, like a live job")] = False,
+    shift: Annotated[Optional[str], typer.Option(
+        "--shift", help="COMPONENT=FACTOR[,...]: scale data_s, compute_s, comm_exposed_s or other_s in this run")] = None,
+    config_json: Annotated[Optional[str], typer.Option(
+        "--config-json", help="JSON object laid over the run's config, e.g. '{\"fsdp\": {\"prefetch\": false}}'")] = None,
+    commit: Annotated[Optional[str], typer.Option("--commit", help="git commit recorded for the run")] = None,
 ) -> None:
     """Send one synthetic run through the real agent transport (same code path as a training job)."""
     import logging
@@ -113,9 +158,14 @@ def simulate(
     bad = [r for r in strag if r >= ranks]
     if bad:
         raise typer.BadParameter(f"--straggler rank {bad[0]} is not < --ranks {ranks}")
+    shifts = parse_shift(shift)
+    cfg = parse_config_json(config_json)
+    if commit is not None and not 0 < len(commit) <= 64:
+        raise typer.BadParameter(f"--commit must be 1-64 characters, got {len(commit)}")
     try:
         stats = run_simulation(server=server, token=token, run=run, family=family, ranks=ranks, steps=steps,
-                               seed=seed, straggler=strag, gpu=gpu, step_ms=step_ms, realtime=realtime)
+                               seed=seed, straggler=strag, gpu=gpu, step_ms=step_ms, realtime=realtime,
+                               shift=shifts, config=cfg, git_commit=commit)
     except RuntimeError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None

@@ -18,7 +18,8 @@ from typing import Any
 
 from .wire import RANK_STEP_FIELDS
 
-__all__ = ["Family", "FAMILIES", "RunSpec", "rank_step_rows", "collective_rows", "PEAK_FLOPS"]
+__all__ = ["Family", "FAMILIES", "RunSpec", "rank_step_rows", "collective_rows", "PEAK_FLOPS", "SHIFT_COMPONENTS",
+           "merge_config"]
 
 #: dense bf16 peak FLOP/s per device (docs/metrics.md; vendor datasheets)
 PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2.25e15, "MI300X": 1307e12}
@@ -41,6 +42,17 @@ FAMILIES: dict[str, Family] = {
     "video-dit-3b": Family("video-dit-3b", 3e9, 32768, 0.44, modalities=("video", "text")),
 }
 
+#: the step-time components ``RunSpec.shift`` can scale (``fleetscope simulate --shift``)
+SHIFT_COMPONENTS = ("data_s", "compute_s", "comm_exposed_s", "other_s")
+
+
+def merge_config(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over`` laid on top: nested objects merged key by key, anything else replaced."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge_config(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
 
 @dataclass
 class RunSpec:
@@ -58,6 +70,12 @@ class RunSpec:
     comm_bound: bool = False  # small buckets / no overlap: exposed comm dominates
     gpus_per_node: int = 8
     start_ts: float = 1.7e9
+    #: scale one or more step-time components for this run (``SHIFT_COMPONENTS`` -> factor): data, compute and
+    #: other scale the rank's work; comm_exposed_s scales the exposed part of communication, and the extra time
+    #: is communication that was not hidden (``comm_total_s`` grows by the same seconds)
+    shift: dict[str, float] = field(default_factory=dict)
+    config: dict[str, Any] | None = None  # laid over the synthetic config (``merge_config``)
+    git_commit: str | None = None
 
     def host_of(self, rank: int) -> str:
         return f"node{rank // self.gpus_per_node:04d}"
@@ -74,21 +92,28 @@ class RunSpec:
         return 6.0 * self.fam.params * self.fam.tokens_per_rank_step
 
     def run_info(self) -> dict[str, Any]:
-        return {
+        config = {"global_batch_tokens": self.fam.tokens_per_rank_step * self.world_size,
+                  "bucket_mb": 5 if self.comm_bound else 25, "overlap": not self.comm_bound}
+        info = {
             "name": self.name,
             "model_family": self.family,
-            "config": {"global_batch_tokens": self.fam.tokens_per_rank_step * self.world_size,
-                       "bucket_mb": 5 if self.comm_bound else 25, "overlap": not self.comm_bound},
+            "config": merge_config(config, self.config or {}),
             "world_size": self.world_size,
             "device_type": self.gpu,
             "device_count": self.world_size,
             "peak_flops": self.peak_flops,
             "meta": {"flops_source": "estimated", "synthetic": True, "seed": self.seed},
         }
+        if self.git_commit:
+            info["git_commit"] = self.git_commit
+        return info
 
 
 def _base(spec: RunSpec) -> dict[str, float]:
     fam = spec.fam
+    bad = sorted(set(spec.shift) - set(SHIFT_COMPONENTS))
+    if bad or any(not (math.isfinite(f) and f > 0) for f in spec.shift.values()):
+        raise ValueError(f"shift: components must be {', '.join(SHIFT_COMPONENTS)} with a factor > 0, got {spec.shift}")
     compute = spec.flops_per_rank_step() / (spec.peak_flops * fam.base_mfu)
     n = spec.world_size
     # ring all-reduce of the gradients: 2(n-1)/n * bytes / busbw; inter-node bandwidth is lower
@@ -102,12 +127,14 @@ def _base(spec: RunSpec) -> dict[str, float]:
     if spec.step_ms:
         total = compute + data + other + comm_total * (1 - overlap)
         scale = spec.step_ms / 1e3 / total
+    sh = spec.shift
     return {
-        "compute": compute * scale * spec.slow_factor,
+        "compute": compute * scale * spec.slow_factor * sh.get("compute_s", 1.0),
         "comm_total": comm_total * scale,
         "overlap": overlap,
-        "data": data * scale,
-        "other": other * scale,
+        "data": data * scale * sh.get("data_s", 1.0),
+        "other": other * scale * sh.get("other_s", 1.0),
+        "exposed_factor": sh.get("comm_exposed_s", 1.0),
     }
 
 
@@ -134,6 +161,9 @@ def rank_step_rows(spec: RunSpec, step_lo: int = 0, step_hi: int | None = None) 
         slowest = max(work)
         comm_total = b["comm_total"] * step_jitter
         own_exposed = comm_total * (1 - b["overlap"])
+        if b["exposed_factor"] != 1.0:  # --shift comm_exposed_s=F: the extra exposed seconds were not hidden
+            comm_total += own_exposed * (b["exposed_factor"] - 1)
+            own_exposed *= b["exposed_factor"]
         rows = []
         for r in range(spec.world_size):
             data, compute, other = parts[r]

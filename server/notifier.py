@@ -14,7 +14,9 @@ import random
 import threading
 from typing import Any
 
-__all__ = ["Notifier", "slack_message", "webhook_payload", "format_value"]
+from .analysis.explain import explanation, metric_label
+
+__all__ = ["Notifier", "slack_message", "webhook_payload", "format_value", "explain_alert"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,10 @@ def format_value(v: float | None, unit: str) -> str:
         return f"{100 * v:.1f}%"
     if unit == "x":
         return f"{v:.2f}x"
+    if unit == "B":
+        return f"{v / 2**30:.1f} GiB"
+    if unit == "B/s":
+        return f"{v / 1e9:.1f} GB/s"
     if abs(v) >= 1e4:
         return f"{v:,.0f} {unit}"
     return f"{v:.4g} {unit}"
@@ -58,10 +64,22 @@ def _code(v: Any) -> str:
     return "`" + _esc(v).replace("`", "'") + "`"
 
 
+def _name(metric: str) -> str:
+    return _METRIC_NAME.get(metric) or metric_label(metric)
+
+
+def explain_alert(alert: dict[str, Any], *, slack: bool = False) -> str | None:
+    """The alert's one-sentence explanation from its ``cause`` and ``diff`` (``analysis.explain``), with
+    user-supplied strings escaped for Slack when ``slack``."""
+    return explanation(alert["metric"], alert.get("change"), alert.get("before"), alert.get("after"),
+                       (alert.get("details") or {}).get("unit"), alert.get("cause"), alert.get("diff"),
+                       esc=_esc if slack else str)
+
+
 def _headline(alert: dict[str, Any], event: str) -> str:
     details = alert.get("details") or {}
     unit = details.get("unit", "")
-    metric = _esc(_METRIC_NAME.get(alert["metric"], alert["metric"]))
+    metric = _esc(_name(alert["metric"]))
     change = alert.get("change")
     ch = f"{100 * change:+.1f}%" if change is not None else ""
     what = _KIND_TITLE.get(alert["kind"], alert["kind"])
@@ -73,7 +91,15 @@ def _context(alert: dict[str, Any]) -> str:
     d = alert.get("details") or {}
     fb = alert.get("first_bad") or {}
     parts = []
-    if alert["kind"] == "run_series":
+    if alert["kind"] == "run_series" and d.get("scope") == "family":
+        sw = d.get("switch") or {}
+        fr, to = sw.get("from") or {}, sw.get("to") or {}
+        parts.append(f"*Series:* {_esc(d.get('family'))} on {_esc(d.get('device_type') or 'device')} — setup switch "
+                     f"{_esc(fr.get('world_size'))}× config {_code(fr.get('config_signature'))} → "
+                     f"{_esc(to.get('world_size'))}× config {_code(to.get('config_signature'))}")
+        bad = f"run {_code(fb.get('run'))}" + (f" at commit {_code(fb['commit'])}" if fb.get("commit") else "")
+        parts.append(f"*First bad:* {bad}")
+    elif alert["kind"] == "run_series":
         parts.append(f"*Series:* {_esc(d.get('family'))} · {_esc(d.get('world_size'))}× "
                      f"{_esc(d.get('device_type') or 'device')} · config {_code(d.get('config_signature'))}")
         bad = f"run {_code(fb.get('run'))}" + (f" at commit {_code(fb['commit'])}" if fb.get("commit") else "")
@@ -105,7 +131,7 @@ def slack_message(alert: dict[str, Any], event: str) -> dict[str, Any]:
     d = alert.get("details") or {}
     unit = d.get("unit", "")
     fields = [
-        {"type": "mrkdwn", "text": f"*Metric*\n{_esc(_METRIC_NAME.get(alert['metric'], alert['metric']))}"},
+        {"type": "mrkdwn", "text": f"*Metric*\n{_esc(_name(alert['metric']))}"},
         {"type": "mrkdwn", "text": f"*Before → after*\n{format_value(alert.get('before'), unit)} → "
                                    f"{format_value(alert.get('after'), unit)}"},
         {"type": "mrkdwn", "text": f"*Change*\n{100 * (alert.get('change') or 0):+.1f}%"},
@@ -113,6 +139,7 @@ def slack_message(alert: dict[str, Any], event: str) -> dict[str, Any]:
                                                            if alert.get("significance") is not None
                                                            else "persistent over the run")},
     ]
+    why = explain_alert(alert, slack=True)
     blocks: list[dict[str, Any]] = [
         {"type": "header", "text": {"type": "plain_text", "text": f"{'Resolved' if event == 'resolved' else 'Regression'}"
                                                                   f" · fleetscope", "emoji": True}},
@@ -120,6 +147,8 @@ def slack_message(alert: dict[str, Any], event: str) -> dict[str, Any]:
         {"type": "section", "fields": fields},
         {"type": "section", "text": {"type": "mrkdwn", "text": _context(alert)}},
     ]
+    if why:  # after the context block: blocks[3] stays the context
+        blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": f"*Why:* {why}"}})
     url = alert.get("url")
     if url and url.startswith("http"):
         blocks.append({"type": "actions", "elements": [
@@ -129,12 +158,13 @@ def slack_message(alert: dict[str, Any], event: str) -> dict[str, Any]:
         {"type": "mrkdwn", "text": f"alert #{alert['id']} · {alert['kind']} · state {alert['state']}"
                                    + (f" · <{url}|{url}>" if url else "")},
     ]})
-    return {"text": f"{head} {url or ''}".strip(), "blocks": blocks}
+    return {"text": f"{head}{' — ' + why if why else ''} {url or ''}".strip(), "blocks": blocks}
 
 
 def webhook_payload(alert: dict[str, Any], event: str) -> dict[str, Any]:
-    """The generic webhook's JSON body: the event, a one-line summary and the alert as the API shows it."""
-    return {"event": event, "summary": _headline(alert, event), "alert": alert}
+    """The generic webhook's JSON body: the event, a one-line summary, the explanation sentence and the
+    alert as the API shows it."""
+    return {"event": event, "summary": _headline(alert, event), "explanation": explain_alert(alert), "alert": alert}
 
 
 class Notifier:

@@ -21,6 +21,9 @@ ALERT = "regressions-alert"
 CHART = "regressions-chart"
 DETAIL = "regressions-detail"
 TABLE = "regressions-table"
+WHY = "regressions-why"
+CAUSE = "regressions-cause"
+DIFF = "regressions-diff"
 STATES = ("firing", "acknowledged", "resolved", "all")
 
 
@@ -40,6 +43,12 @@ def _series_label(a: dict[str, Any]) -> Any:
     if a["kind"] == "benchmark":
         params = ", ".join(f"{k}={v}" for k, v in sorted((d.get("params") or {}).items()))
         return dcc.Link(f"{d.get('cluster', '?')} · {params}", href=f"/benchmarks?cluster={d.get('cluster', '')}")
+    if a["kind"] == "run_series" and d.get("scope") == "family":
+        bad = (a.get("first_bad") or {}).get("run_id") or a["run_id"]
+        sw = d.get("switch") or {}
+        label = (f"{d.get('family')} · {d.get('device_type') or '?'} (setup switch "
+                 f"{(sw.get('from') or {}).get('world_size', '?')} → {(sw.get('to') or {}).get('world_size', '?')} ranks)")
+        return dcc.Link(label, href=f"/runs/{bad}") if bad else label
     if a["kind"] == "run_series" and d.get("family") is not None:
         bad = (a.get("first_bad") or {}).get("run_id") or a["run_id"]
         label = f"{d['family']} · {d.get('world_size', '?')} × {d.get('device_type') or '?'} (comparable runs)"
@@ -105,6 +114,7 @@ def _detail(alert_id: int) -> tuple[Any, Any]:
              ["first bad", first_bad or "–"],
              ["last good commit", (a.get("details") or {}).get("good_commit") or "–"],
              ["raised", fmt_time(a["created_at"])], ["updated", fmt_time(a["updated_at"])]]
+    why = _why(a)
     links = []
     bad = fb.get("run_id") or a.get("run_id")
     if bad:
@@ -113,4 +123,38 @@ def _detail(alert_id: int) -> tuple[Any, Any]:
     if isinstance(i, int) and 0 < i < len(runs):
         links.append(dcc.Link("compare last good vs first bad", href=f"/compare?runs={runs[i - 1]},{runs[i]}",
                               className="fs-btn"))
-    return F.alert_series_figure(ser, a), html.Div([simple_table(["", ""], items), html.Div(links, className="fs-inline")])
+    return F.alert_series_figure(ser, a), html.Div([*why, simple_table(["", ""], items),
+                                                     html.Div(links, className="fs-inline")])
+
+
+def _s(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return "–" if v is None else str(v)
+
+
+def _why(a: dict[str, Any]) -> list[Any]:
+    """The explanation sentence, the components' before → after, and the last good vs first bad run."""
+    out: list[Any] = []
+    if a.get("explanation"):
+        out.append(html.P(a["explanation"], id=WHY, className="fs-strong"))
+    cause = a.get("cause") or {}
+    comps = cause.get("components") or {}
+    if comps:
+        rows = [[k, _fmt_val(k, c["before"], "s"), _fmt_val(k, c["after"], "s"), f"{c['share_of_change'] * 100:+.0f} %"]
+                for k, c in comps.items()]
+        out.append(simple_table([f"component ({'per 1k tokens' if cause.get('basis') == 'per_1k_tokens' else 'per step'})",
+                                 "before", "after", "share of change"], rows, numeric=(1, 2, 3), tid=CAUSE))
+    diff = a.get("diff") or {}
+    rows = [[k, _s(diff[k][0]), _s(diff[k][1])] for k in ("commit", "world_size", "nodes", "device_type", "mp_size")
+            if isinstance(diff.get(k), list) and len(diff[k]) == 2 and diff[k][0] != diff[k][1]]
+    rows += [[f"config.{k}", _s(v[0]), _s(v[1])] for k, v in (diff.get("config") or {}).items()]
+    rows += [[f"meta.{k}", _s(v[0]), _s(v[1])] for k, v in (diff.get("meta") or {}).items()]
+    hosts = diff.get("hosts") or {}
+    if hosts.get("added") or hosts.get("removed"):
+        rows.append(["nodes", " ".join(hosts.get("removed") or []) or "–", " ".join(hosts.get("added") or []) or "–"])
+    if diff.get("truncated"):
+        rows.append([f"… {diff['truncated']} more keys", "", ""])
+    if rows:
+        out.append(simple_table(["changed", "last good", "first bad"], rows, tid=DIFF))
+    return out

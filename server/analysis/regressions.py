@@ -1,7 +1,17 @@
 """Regression detection (docs/metrics.md "Regressions") on three kinds of series, with one detector.
 
 - ``run_series``: a summary metric of comparable runs (same family, config signature, device
-  type, world size) ordered by start time — tokens/s/GPU when the runs report tokens, else step time;
+  type, world size) ordered by start time — tokens/s/GPU when the runs report tokens, else step time
+  (the *primary* metric); and the *secondary* per-run figures of the same series: each step-time
+  component, MFU, peak memory and busbw per collective op. A secondary metric alerts on its own only
+  while the primary does not regress (then it is listed in the primary alert's
+  ``details.also_regressed`` and the primary alert's cause names the component); a component also
+  needs its change to be at least ``MIN_COMPONENT_STEP_SHARE`` of the step time.
+  A second run series per (family, device type) — ``details.scope = "family"`` — catches a
+  regression at a *setup switch*: the family's runs moved from one comparable setup (config
+  signature, world size) to another, stayed there, and its primary metric (tokens/s/GPU, else MFU)
+  changed for the worse exactly at the switch. Inside one comparable setup that series stays quiet
+  (the comparable series owns such changes), so no change alerts twice;
 - ``benchmark``: the points of one benchmark series ordered by time;
 - ``step_time_shift``: the median step time within one run, step by step.
 
@@ -20,7 +30,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +39,8 @@ import numpy as np
 from fleetscope.changepoint import DEFAULT, DetectorConfig, detect
 
 from ..store.rows import RunRow
-from .figures import METRICS, RunFigures, comparable_key
+from .explain import WINDOW
+from .figures import COMPONENTS, METRICS, RunFigures, comparable_key
 
 RunWithFigures = tuple[RunRow, RunFigures]
 BenchmarkSeries = tuple[int, str, str, dict[str, Any] | None, str, list[tuple[dt.datetime, float, str | None]]]
@@ -45,6 +56,9 @@ __all__ = [
     "check_verdict",
     "higher_is_better_unit",
     "series_key",
+    "SECONDARY_METRICS",
+    "MIN_COMPONENT_STEP_SHARE",
+    "busbw_by_op",
 ]
 
 MIN_CHANGE = 0.05  # a regression is at least 5 % worse: smaller changes are not worth a page
@@ -52,6 +66,17 @@ CHECK_Z = 3.0  # check: the run must sit this many robust σ of the baseline run
 MIN_RUN_STEPS = 3  # a run enters run series once it has this many compacted steps
 STEP_SERIES_MAX = 20_000  # within-run: the most recent steps analysed ...
 STEP_SERIES_POINTS = 1_000  # ... as at most this many block medians (a step-time shift lasts many steps)
+MIN_COMPONENT_STEP_SHARE = 0.02  # a component alert: its change is at least 2 % of the step time before
+SWITCH_BASELINE_RUNS = 20  # setup switch: the latest runs of the previous setup the new one is tested against
+
+#: per-run figures of a comparable series besides the primary one: name -> (unit, higher_is_better);
+#: plus ``busbw:<op>`` (B/s, higher is better) for every collective op with bytes in every run of the series
+SECONDARY_METRICS: dict[str, tuple[str, bool]] = {
+    **{k: ("s", False) for k, _ in COMPONENTS},
+    "mfu": ("", True),
+    "mem_peak_bytes": ("B", False),
+}
+_COMPONENT_KEYS = frozenset(k for k, _ in COMPONENTS)
 
 
 @dataclass
@@ -90,6 +115,13 @@ def higher_is_better_unit(unit: str) -> bool:
 def series_regression(values: list[float] | np.ndarray, *, higher_is_better: bool,
                       config: DetectorConfig = DEFAULT) -> tuple[int, float, float, float, float] | None:
     """(index, before, after, relative change, p) of the last change point when it is a regression."""
+    res = _last_regression(values, higher_is_better=higher_is_better, config=config)
+    return res[:5] if res is not None else None
+
+
+def _last_regression(values: list[float] | np.ndarray, *, higher_is_better: bool,
+                     config: DetectorConfig = DEFAULT) -> tuple[int, float, float, float, float, int] | None:
+    """``series_regression`` plus where the good regime starts (the change point before, else 0)."""
     cps = detect(values, config)
     if not cps:
         return None
@@ -100,7 +132,21 @@ def series_regression(values: list[float] | np.ndarray, *, higher_is_better: boo
     worse = -change if higher_is_better else change
     if worse < MIN_CHANGE:
         return None
-    return last.index, last.before, last.after, change, last.p_value
+    return last.index, last.before, last.after, change, last.p_value, cps[-2].index if len(cps) > 1 else 0
+
+
+def busbw_by_op(rows: Sequence[tuple[str, int, float, float]]) -> dict[str, float]:
+    """A run's busbw per collective op from its (op, group size, bytes, seconds) sums: Σ bytes × the
+    NCCL-tests factor / Σ seconds over the op's groups (ops that moved no bytes are left out)."""
+    from fleetscope.wire import busbw_factor
+
+    acc: dict[str, list[float]] = {}
+    for op, n, nbytes, secs in rows:
+        if nbytes > 0 and secs > 0:
+            a = acc.setdefault(op, [0.0, 0.0])
+            a[0] += nbytes * busbw_factor(op, n)
+            a[1] += secs
+    return {f"busbw:{op}": b / t for op, (b, t) in sorted(acc.items()) if b > 0}
 
 
 def _primary_metric(members: list[RunWithFigures]) -> str:
@@ -109,11 +155,43 @@ def _primary_metric(members: list[RunWithFigures]) -> str:
     return "step_s"
 
 
-def run_series_regressions(runs: Sequence[RunWithFigures], *,
-                           run_ids: Collection[int] | None = None) -> tuple[list[Regression], set[str]]:
+def _windows(members: Sequence[RunWithFigures], i: int, lo: int) -> dict[str, list[int]]:
+    """The runs a cause is measured over: the last ≤ WINDOW of the good regime, the first ≤ WINDOW bad."""
+    return {"good_runs": [r.id for r, _ in members[max(lo, i - WINDOW):i]],
+            "bad_runs": [r.id for r, _ in members[i:i + WINDOW]]}
+
+
+def _run_regression(members: Sequence[RunWithFigures], skey: str, metric: str, unit: str, vals: list[float],
+                    res: tuple[int, float, float, float, float, int], details: dict[str, Any]) -> Regression:
+    i, before, after, change, p, lo = res
+    bad = members[i][0]
+    return Regression(
+        kind="run_series", series=skey, metric=metric, unit=unit, before=before, after=after, change=change,
+        significance=p,
+        first_bad={"run_id": bad.id, "run": bad.name, "commit": bad.git_commit, "started_at": bad.started_at, "index": i},
+        run_id=members[-1][0].id, url_path=f"/runs/{bad.id}",
+        details={**details, "runs": [r.id for r, _ in members], "values": vals,
+                 "good_commit": members[i - 1][0].git_commit if i > 0 else None, **_windows(members, i, lo)},
+    )
+
+
+def _metric_values(members: Sequence[RunWithFigures], metric: str,
+                   extra: Mapping[int, Mapping[str, float]]) -> list[float] | None:
+    raw = [f.get(metric) if not metric.startswith("busbw:") else extra.get(r.id, {}).get(metric) for r, f in members]
+    if any(v is None or not math.isfinite(float(v)) for v in raw):
+        return None
+    return [float(v) for v in raw if v is not None]
+
+
+def run_series_regressions(runs: Sequence[RunWithFigures], *, run_ids: Collection[int] | None = None,
+                           extra: Mapping[int, Mapping[str, float]] | None = None,
+                           ) -> tuple[list[Regression], set[str]]:
     """Regressions of the run series (comparable runs in start order) formed by ``runs`` — one
     family's runs with their figures — that contain one of ``run_ids`` (all when None), and the
-    series evaluated."""
+    series evaluated: the primary metric, else the secondary ones (``SECONDARY_METRICS``, plus
+    ``busbw:<op>`` from ``extra`` = {run id: {"busbw:<op>": B/s}}), and the family's setup switches.
+    Each regression's ``details`` carries ``good_runs``/``bad_runs``, the runs its cause is measured over."""
+    extra = extra or {}
     found: list[Regression] = []
     evaluated: set[str] = set()
     groups: dict[tuple[Any, ...], list[RunWithFigures]] = {}
@@ -128,26 +206,77 @@ def run_series_regressions(runs: Sequence[RunWithFigures], *,
         unit, hib = METRICS[metric]
         skey = series_key("runs", *key)
         evaluated.add(skey)
-        raw = [f.get(metric) for _, f in members]
-        if any(v is None for v in raw):
+        details = {"scope": "comparable", "family": key[0], "config_signature": key[1], "device_type": key[2],
+                   "world_size": key[3]}
+        secondary: list[tuple[str, str, list[float], tuple[int, float, float, float, float, int]]] = []
+        busbw = sorted({m for r, _ in members for m in extra.get(r.id, {})})
+        for m, (u, h) in [*SECONDARY_METRICS.items(), *((b, ("B/s", True)) for b in busbw)]:
+            sv = _metric_values(members, m, extra)
+            if sv is None:
+                continue
+            sres = _last_regression(sv, higher_is_better=h)
+            if sres is None:
+                continue
+            if m in _COMPONENT_KEYS:
+                i, lo = sres[0], sres[5]
+                step_before = np.median([f.step_s or 0.0 for _, f in members[lo:i]])
+                if abs(sres[2] - sres[1]) < MIN_COMPONENT_STEP_SHARE * step_before:
+                    continue  # a component that moved a negligible part of the step
+            secondary.append((m, u, sv, sres))
+        vals = _metric_values(members, metric, extra)
+        res = _last_regression(vals, higher_is_better=hib) if vals is not None else None
+        if res is not None and vals is not None:
+            also = [{"metric": m, "unit": u, "before": r[1], "after": r[2], "change": r[3], "index": r[0]}
+                    for m, u, _, r in secondary]
+            found.append(_run_regression(members, skey, metric, unit, vals, res, {**details, "also_regressed": also}))
             continue
-        vals = [float(v) for v in raw if v is not None]
-        res = series_regression(vals, higher_is_better=hib)
-        if res is None:
+        for m, u, sv, sres in secondary:  # the primary metric did not regress: each stands on its own
+            found.append(_run_regression(members, skey, m, u, sv, sres, {**details, "primary_metric": metric}))
+    f2, e2 = _switch_regressions(runs, run_ids)
+    return found + f2, evaluated | e2
+
+
+def _switch_regressions(runs: Sequence[RunWithFigures],
+                        run_ids: Collection[int] | None) -> tuple[list[Regression], set[str]]:
+    """Per (family, device type): a regression exactly at the family's latest switch of comparable
+    setup (config signature, world size), when the runs before it share one setup and the runs
+    from it share another (module docstring)."""
+    found: list[Regression] = []
+    evaluated: set[str] = set()
+    fams: dict[tuple[Any, Any], list[RunWithFigures]] = {}
+    for run, fig in runs:
+        if fig.steps >= MIN_RUN_STEPS:
+            fams.setdefault((run.model_family, run.device_type), []).append((run, fig))
+    for (family, device), members in fams.items():
+        if run_ids is not None and not any(r.id in run_ids for r, _ in members):
             continue
-        i, before, after, change, p = res
-        bad = members[i][0]
-        last = members[-1][0]
-        found.append(Regression(
-            kind="run_series", series=skey, metric=metric, unit=unit, before=before, after=after, change=change,
-            significance=p,
-            first_bad={"run_id": bad.id, "run": bad.name, "commit": bad.git_commit,
-                       "started_at": bad.started_at, "index": i},
-            run_id=last.id, url_path=f"/runs/{bad.id}",
-            details={"family": key[0], "config_signature": key[1], "device_type": key[2], "world_size": key[3],
-                     "runs": [r.id for r, _ in members], "values": vals,
-                     "good_commit": members[i - 1][0].git_commit if i > 0 else None},
-        ))
+        members.sort(key=lambda m: (m[0].started_at or "", m[0].id))
+        skey = series_key("family", family, device)
+        evaluated.add(skey)
+        keys = [comparable_key(r) for r, _ in members]
+        j = len(keys) - 1
+        while j > 0 and keys[j - 1] == keys[-1]:
+            j -= 1
+        if j == 0:
+            continue  # one setup only: the comparable series covers it
+        k = j - 1
+        while k > 0 and keys[k - 1] == keys[j - 1] and j - k < SWITCH_BASELINE_RUNS:
+            k -= 1
+        seq = members[k:]
+        metric = next((m for m in ("tokens_per_s_per_gpu", "mfu") if _metric_values(seq, m, {}) is not None), None)
+        if metric is None:
+            continue
+        unit, hib = METRICS[metric]
+        vals = _metric_values(seq, metric, {}) or []
+        res = _last_regression(vals, higher_is_better=hib)
+        if res is None or res[0] != j - k:
+            continue  # no regression, or not at the switch
+        good, bad = members[j - 1][0], members[j][0]
+        found.append(_run_regression(seq, skey, metric, unit, vals, res, {
+            "scope": "family", "family": family, "device_type": device, "world_size": bad.world_size,
+            "config_signature": bad.config_signature,
+            "switch": {"from": {"config_signature": good.config_signature, "world_size": good.world_size},
+                       "to": {"config_signature": bad.config_signature, "world_size": bad.world_size}}}))
     return found, evaluated
 
 

@@ -9,10 +9,15 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from ..analysis import explain
 from ..analysis import regressions as rg
+from ..analysis.figures import RunFigures
+from ..analysis.parallel import comm_by_dim
 from ..downsample import minmax_series
-from ..store import alerts, benchmarks, steps
+from ..store import alert_inputs, alerts, benchmarks, collectives, steps
 from ..store import runs as run_store
+from ..store.rows import RunRow
+from . import _cache
 from .runs import figures, stragglers, with_figures
 
 __all__ = [
@@ -24,34 +29,84 @@ __all__ = [
     "list_alerts",
     "get_alert",
     "alerts_view",
+    "alert_explanation",
     "alert_series",
     "benchmark_series",
     "benchmarks_view",
+    "explain_run_regression",
 ]
 
 
 def run_series_regressions(engine: Engine, *, run_ids: Sequence[int] | None = None) -> tuple[list[rg.Regression], set[str]]:
-    """Regressions of the run series containing ``run_ids`` (all series when None), and the series evaluated."""
+    """Regressions of the run series containing ``run_ids`` (all series when None), and the series
+    evaluated; each regression's ``details`` carries its ``cause`` and ``diff`` (``analysis.explain``)."""
     fams = run_store.families(engine) if run_ids is None else run_store.families_of(engine, run_ids)
     found: list[rg.Regression] = []
     evaluated: set[str] = set()
     for fam in fams:
-        f, e = rg.run_series_regressions(with_figures(engine, run_store.family_runs(engine, fam)), run_ids=run_ids)
+        runs = with_figures(engine, run_store.family_runs(engine, fam))
+        sums = alert_inputs.collective_sums(engine, [r.id for r, f in runs if f.steps >= rg.MIN_RUN_STEPS])
+        extra = {rid: rg.busbw_by_op([(op, n, b, t) for op, n, _d, b, t, _e in rows]) for rid, rows in sums.items()}
+        f, e = rg.run_series_regressions(runs, run_ids=run_ids, extra=extra)
+        by_id = {r.id: (r, fig) for r, fig in runs}
+        for reg in f:
+            explain_run_regression(engine, reg, by_id, sums)
         found += f
         evaluated |= e
     return found, evaluated
 
 
+def _run_comm(engine: Engine, run: RunRow, fig: RunFigures, sums: list[alert_inputs.CollectiveSum]) -> explain.RunComm:
+    """({dim: exposed s per step}, {(dim, op): exposed s per rank-step}) of one run (cached per run version)."""
+    def compute() -> explain.RunComm:
+        dims = {d: v["exposed_s"] for d, v in comm_by_dim(collectives.step_comm(engine, run.id)).items()}
+        per = max(1, fig.steps) * max(1, run.world_size)
+        ops: dict[tuple[str, str], float] = {}
+        for op, _n, dim, _b, _t, exp in sums:
+            k = (dim or "unknown", op)
+            ops[k] = ops.get(k, 0.0) + exp / per
+        return dims, ops
+
+    return _cache.cached("explain_comm", engine, run, compute)
+
+
+def explain_run_regression(engine: Engine, reg: rg.Regression, by_id: dict[int, tuple[RunRow, RunFigures]],
+                           sums: dict[int, list[alert_inputs.CollectiveSum]] | None = None) -> None:
+    """Put ``cause`` (the component that explains the step-time change between the regression's good and
+    bad runs) and ``diff`` (last good run vs first bad run) into a run-series regression's ``details``."""
+    good_ids = [i for i in reg.details.get("good_runs") or [] if i in by_id]
+    bad_ids = [i for i in reg.details.get("bad_runs") or [] if i in by_id]
+    if not good_ids or not bad_ids:
+        return
+    sums = sums if sums is not None else alert_inputs.collective_sums(engine, good_ids + bad_ids)
+    comm = {i: _run_comm(engine, by_id[i][0], by_id[i][1], sums.get(i, [])) for i in good_ids + bad_ids}
+    reg.details["cause"] = explain.cause_of_runs([by_id[i][1] for i in good_ids], [by_id[i][1] for i in bad_ids],
+                                                 comm_good=[comm[i] for i in good_ids], comm_bad=[comm[i] for i in bad_ids])
+    good, bad = by_id[good_ids[-1]][0], by_id[bad_ids[0]][0]
+    nodes = alert_inputs.run_nodes(engine, [good.id, bad.id])
+    reg.details["diff"] = explain.run_diff(good, bad, good_nodes=nodes.get(good.id), bad_nodes=nodes.get(bad.id))
+
+
 def benchmark_regressions(engine: Engine, *, series_ids: Sequence[int] | None = None) -> tuple[list[rg.Regression], set[str]]:
-    """Regressions of benchmark series (all when ``series_ids`` is None)."""
+    """Regressions of benchmark series (all when ``series_ids`` is None); ``details.diff`` holds the commits
+    of the last good and the first bad point (a benchmark has no step decomposition: no cause)."""
     series = benchmarks.series(engine, series_ids=series_ids)
-    return rg.benchmark_regressions([(s.id, s.name, s.cluster, s.params, s.unit, pts) for s, pts in series])
+    found, evaluated = rg.benchmark_regressions([(s.id, s.name, s.cluster, s.params, s.unit, pts) for s, pts in series])
+    for reg in found:
+        reg.details["diff"] = {"commit": [reg.details.get("good_commit"), reg.first_bad.get("commit")]}
+    return found, evaluated
 
 
 def step_shift_regression(engine: Engine, run_id: int) -> rg.Regression | None:
-    """A change point in the run's median step time that made steps slower."""
+    """A change point in the run's median step time that made steps slower, with ``details.cause``: the
+    component that explains it (median over the run's steps before the first slow step vs from it)."""
     x, y = steps.step_tail(engine, run_id, rg.STEP_SERIES_MAX)
-    return rg.step_shift_regression(run_id, x, y)
+    reg = rg.step_shift_regression(run_id, x, y)
+    if reg is not None:
+        cols = alert_inputs.step_components_tail(engine, run_id, rg.STEP_SERIES_MAX)
+        idx = int((cols["step"] < reg.first_bad["step"]).sum())
+        reg.details["cause"] = explain.cause_of_steps(cols, idx)
+    return reg
 
 
 def straggler_finding(engine: Engine, run_id: int) -> rg.Regression | None:
@@ -70,19 +125,31 @@ def check_run(engine: Engine, run_id: int, *, max_baseline: int = 20) -> dict[st
                             step_shift_regression(engine, run_id), max_baseline=max_baseline)
 
 
+def alert_explanation(alert: dict[str, Any]) -> str | None:
+    """The alert's one-sentence explanation (``analysis.explain.explanation``) from its cause and diff."""
+    return explain.explanation(alert["metric"], alert.get("change"), alert.get("before"), alert.get("after"),
+                               (alert.get("details") or {}).get("unit"), alert.get("cause"), alert.get("diff"))
+
+
+def _explained(a: dict[str, Any]) -> dict[str, Any]:
+    a["explanation"] = alert_explanation(a)
+    return a
+
+
 def list_alerts(engine: Engine, *, state: str | None = None, kind: str | None = None, run_id: int | None = None,
                 limit: int = 500) -> list[dict[str, Any]]:
-    """Alerts newest first, optionally by state, kind or run."""
-    return alerts.list_alerts(engine, state=state, kind=kind, run_id=run_id, limit=limit)
+    """Alerts newest first, optionally by state, kind or run; each with ``cause``, ``diff`` and ``explanation``."""
+    return [_explained(a) for a in alerts.list_alerts(engine, state=state, kind=kind, run_id=run_id, limit=limit)]
 
 
 def get_alert(engine: Engine, alert_id: int) -> dict[str, Any] | None:
-    return alerts.get_alert(engine, alert_id)
+    a = alerts.get_alert(engine, alert_id)
+    return _explained(a) if a is not None else None
 
 
 def alerts_view(engine: Engine, *, state: str | None = None, limit: int = 500) -> list[dict[str, Any]]:
-    """Alerts, newest first, optionally by state, with their run's name and family."""
-    return alerts.alerts_with_runs(engine, state=state, limit=limit)
+    """Alerts, newest first, optionally by state, with their run's name and family and the explanation."""
+    return [_explained(a) for a in alerts.alerts_with_runs(engine, state=state, limit=limit)]
 
 
 _RUN_METRICS = {"tokens_per_s", "step_s", "step_s_p95", "mfu", "packing_efficiency", "data_s", "compute_s",

@@ -15,18 +15,28 @@ _COLS = ("id, dedup_key, kind, metric, state, run_id, before, after, change, sig
          "created_at, updated_at, acknowledged_at, resolved_at")
 
 
+def _lift(d: dict[str, Any]) -> dict[str, Any]:
+    """``cause`` and ``diff`` are stored in ``details`` and shown as top-level keys (null when absent)."""
+    details = dict(d.get("details") or {})
+    d["cause"] = details.pop("cause", None)
+    d["diff"] = details.pop("diff", None)
+    d["details"] = details
+    return d
+
+
 def _row(r: Any) -> dict[str, Any]:
     d = dict(r._mapping)
     for k in ("created_at", "updated_at", "acknowledged_at", "resolved_at"):
         if d.get(k) is not None:
             d[k] = d[k].isoformat()
-    return d
+    return _lift(d)
 
 
 @dataclass(frozen=True)
 class AlertWrite:
     """A detection as stored: ``key`` = (kind, series, metric) names the active alert it updates;
-    ``first_bad_json``/``details_json`` are JSON texts (``details`` carries ``series``)."""
+    ``first_bad_json``/``details_json`` are JSON texts (``details`` carries ``series``, and ``cause`` and
+    ``diff``, which the reads show as top-level keys)."""
 
     key: tuple[str, str, str]
     dedup_key: str
@@ -140,4 +150,4 @@ def alerts_with_runs(engine: Engine, *, state: str | None = None, limit: int = 5
         params["state"] = state
     sql += " ORDER BY a.created_at DESC, a.id DESC LIMIT :n"
     with engine.connect() as c:
-        return [dict(r._mapping) for r in c.execute(text(sql), params)]
+        return [_lift(dict(r._mapping)) for r in c.execute(text(sql), params)]

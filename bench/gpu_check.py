@@ -1,0 +1,700 @@
+"""On a real CUDA device, what only fakes have exercised in the test suite (issue #11, item 7).
+
+    python bench/gpu_check.py                 # one CUDA GPU, about 1-2 minutes (bound: --timeout 280 s)
+    python bench/gpu_check.py --cpu-dry-run   # no GPU: the plumbing of every check runs on CPU
+
+Run from the repository root after ``pip install -e .`` (and torch with CUDA). Nothing else: the
+agent's batches go over HTTP to an in-process receiver (a copy of tests/agent/_receiver.py's
+approach: ``POST /api/v1/runs``, ``/runs/{id}/finish``, ``/ingest`` decoded and kept), one agent run
+per check. Checks:
+
+1. ``cuda_step_timing``: a small training loop (``run.step()`` + phases) on the CUDA clock. The GPU is
+   kept behind the host (``torch.cuda._sleep`` in forward), so steps are still pending at later step
+   ends and are resolved lazily; the loop adds 0 device synchronisations — counted by patching
+   ``torch.cuda.synchronize`` / ``Event.synchronize`` / ``Stream.synchronize`` and by
+   ``torch.cuda.set_sync_debug_mode("warn")`` (both counters are first shown to see a deliberate
+   sync); each step's ``step_s`` matches the script's own CUDA events around the same step.
+2. ``memory``: the same run's ``mem_allocated/reserved/peak_bytes`` — allocated and reserved equal the
+   allocator's counters read right after each step, the per-step peak is within 10 % of
+   ``torch.cuda.max_memory_allocated`` over one identical reference step.
+3. ``mfu``: a step of K bf16 N×N matmuls (2·N³ FLOPs each): the FLOPs the agent measures
+   (FlopCounterMode, first step) equal K·2·N³, and its FLOP/s (flops / step_s) is within 10 % of
+   flops over torch's CUDA-event time of the matmuls; MFU against the device's peak is reported.
+4. ``nccl_collectives``: a 1-rank NCCL process group (127.0.0.1): all_reduce, all_gather_into_tensor,
+   reduce_scatter_tensor, each blocking and ``async_op=True`` + ``wait()``: every call recorded with
+   its op, bytes and a completion time (total_s > 0), none incomplete.
+5. ``compile_cudagraphs``: ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) trained a few
+   steps: the agent's compile events (``agent/compile_watch.py``: ``compile``, ``cudagraph`` replays,
+   ``compile_summary``). "SKIP: compile_watch not present" when that module is missing.
+
+Prints one ``PASS``/``FAIL``/``SKIP``/``NOT RUN`` line per check as it finishes, then the JSON
+summary (also written to ``--json PATH``). Exit status: 0 when nothing failed, 1 when a check
+failed, 2 without CUDA and without ``--cpu-dry-run``. With ``--cpu-dry-run`` the checks that need
+CUDA print ``NOT RUN (no CUDA)`` after running their plumbing on CPU (gloo instead of NCCL, the eager
+compile backend); a broken plumbing still fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import faulthandler
+import gzip
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+TOKEN = "gpu-check-token"
+PASS, FAIL, SKIP, NOT_RUN = "PASS", "FAIL", "SKIP", "NOT RUN (no CUDA)"
+
+
+# ---------------------------------------------------------------------- the in-process receiver
+
+
+class Receiver:
+    """The server's write API on loopback: runs get ids, every accepted batch is decoded and kept."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.runs: dict[str, int] = {}
+        self.run_info: dict[int, dict[str, Any]] = {}
+        self.finishes: dict[int, str] = {}
+        self.batches: list[dict[str, Any]] = []
+        recv = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:  # quiet
+                pass
+
+            def _answer(self, status: int, obj: Any) -> None:
+                body = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+                    self._answer(401, {"detail": "missing or invalid bearer token"})
+                    return
+                if self.headers.get("Content-Encoding") == "gzip":
+                    raw = gzip.decompress(raw)
+                if self.headers.get("Content-Type") == "application/msgpack":
+                    import msgpack
+
+                    doc = msgpack.unpackb(raw, raw=False)
+                else:
+                    doc = json.loads(raw or b"null")
+                path = self.path
+                with recv.lock:
+                    if path == "/api/v1/runs":
+                        rid = recv.runs.setdefault(doc["name"], len(recv.runs) + 1)
+                        recv.run_info.setdefault(rid, doc)
+                        self._answer(200, {"id": rid, "name": doc["name"], "created": True})
+                    elif path.startswith("/api/v1/runs/") and path.endswith("/finish"):
+                        rid = int(path.split("/")[4])
+                        recv.finishes[rid] = doc.get("status")
+                        self._answer(200, {"id": rid, "status": doc.get("status")})
+                    elif path == "/api/v1/ingest":
+                        recv.batches.append(doc)
+                        self._answer(200, {"run_id": doc.get("run_id"), "accepted": {}})
+                    else:
+                        self._answer(404, {"detail": "not found"})
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _batches(self, run_id: int) -> list[dict[str, Any]]:
+        with self.lock:
+            return [b for b in self.batches if b.get("run_id") == run_id]
+
+    def rows(self, run_id: int, section: str) -> list[dict[str, Any]]:
+        """The records of a columnar section of one run, as dicts (lists or binary columns)."""
+        from fleetscope.wire import SECTIONS
+
+        types = {f.name: f.type for f in SECTIONS[section][1]} if section in SECTIONS else {}
+        out: list[dict[str, Any]] = []
+        for b in self._batches(run_id):
+            sec = b.get(section)
+            if not sec:
+                continue
+            cols = {}
+            for name, col in sec.items():
+                if isinstance(col, (bytes, bytearray)):
+                    import array
+
+                    a = array.array("d" if types.get(name) == "float" else "q")
+                    a.frombytes(bytes(col))
+                    col = [None if isinstance(v, float) and v != v else v for v in a.tolist()]
+                cols[name] = col
+            names = list(cols)
+            for values in zip(*(cols[n] for n in names), strict=True):
+                out.append(dict(zip(names, values, strict=True)))
+        return out
+
+    def events(self, run_id: int) -> list[dict[str, Any]]:
+        return [e for b in self._batches(run_id) for e in b.get("events", [])]
+
+
+# ---------------------------------------------------------------------- counting synchronisations
+
+
+class SyncCounter:
+    """Counts device synchronisations while active: calls of the explicit host-sync APIs (patched,
+    passed through) and the synchronising operations ``torch.cuda.set_sync_debug_mode("warn")``
+    reports (implicit ones: ``.item()``, device-to-host copies, ...)."""
+
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+        self.calls: dict[str, int] = {}
+        self.debug_warnings = 0
+        self._restore: list[tuple[Any, str, Any]] = []
+        self._wcm: Any = None
+        self._wlist: list[Any] = []
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values()) + self.debug_warnings
+
+    def _patch(self, owner: Any, name: str, label: str) -> None:
+        orig = getattr(owner, name, None)
+        if orig is None:
+            return
+        counts = self.calls
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counts[label] = counts.get(label, 0) + 1
+            return orig(*args, **kwargs)
+
+        own = name in vars(owner)  # a class may inherit it: then the patch is deleted again
+        self._restore.append((owner, name, vars(owner)[name] if own else None))
+        setattr(owner, name, counted)
+
+    def __enter__(self) -> SyncCounter:
+        cuda = self.torch.cuda
+        self._patch(cuda, "synchronize", "torch.cuda.synchronize")
+        self._patch(cuda.Event, "synchronize", "Event.synchronize")
+        self._patch(cuda.Stream, "synchronize", "Stream.synchronize")
+        self._wcm = warnings.catch_warnings(record=True)
+        self._wlist = self._wcm.__enter__()
+        warnings.simplefilter("always")
+        cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.torch.cuda.set_sync_debug_mode("default")
+        self.debug_warnings = sum(1 for w in self._wlist if "synchroniz" in str(w.message).lower())
+        self._wcm.__exit__(*exc)
+        for owner, name, orig in reversed(self._restore):
+            if orig is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, orig)
+        self._restore.clear()
+
+
+# ---------------------------------------------------------------------- the checks
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+def need(cond: Any, msg: str) -> None:
+    if not cond:
+        raise CheckFailed(msg)
+
+
+class Context:
+    def __init__(self, args: argparse.Namespace, receiver: Receiver, spool: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.args = args
+        self.receiver = receiver
+        self.spool = spool
+        self.cuda = not args.cpu_dry_run and torch.cuda.is_available()
+        self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
+        self.train: dict[str, Any] | None = None  # check 1's run, read again by check 2
+
+    def init(self, name: str, **kw: Any) -> Any:
+        import fleetscope.agent as fs
+
+        kw.setdefault("measure_flops", False)
+        run = fs.init(name=f"gpu-check-{name}", server=self.receiver.url, token=TOKEN, spool_dir=self.spool,
+                      clock="cuda" if self.cuda else "cpu", **kw)
+        need(isinstance(run, fs.Run), f"fleetscope.agent.init returned {type(run).__name__}, not a Run")
+        return run
+
+    def run_id(self, run: Any) -> int:
+        rid = self.receiver.runs.get(run.name)
+        need(rid is not None, f"run {run.name} never registered with the receiver")
+        assert rid is not None
+        return int(rid)
+
+    def finish(self, run: Any) -> dict[str, Any]:
+        """Finish ``run`` and return what the receiver got for it, plus the agent's counters."""
+        run.finish(timeout=20)
+        stats = run.stats()
+        rid = self.run_id(run)
+        got = {
+            "run_id": rid,
+            "stats": stats,
+            "steps": sorted(self.receiver.rows(rid, "rank_steps"), key=lambda r: r["step"]),
+            "collectives": self.receiver.rows(rid, "collectives"),
+            "events": self.receiver.events(rid),
+            "run_info": self.receiver.run_info.get(rid, {}),
+            "finish": self.receiver.finishes.get(rid),
+        }
+        need(got["finish"] == "finished", f"the run was not marked finished (got {got['finish']!r})")
+        need(stats.get("internal_errors", 0) == 0, f"agent internal errors: {stats}")
+        return got
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+
+def _ref_event(torch: Any, cuda: bool) -> Any:
+    """A timing mark of the script itself: a CUDA event, or perf_counter on CPU."""
+    if cuda:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def _ref_elapsed(a: Any, b: Any, cuda: bool) -> float:
+    return a.elapsed_time(b) / 1e3 if cuda else b - a
+
+
+def check_step_timing(ctx: Context) -> dict[str, Any]:
+    """1: lazily resolved CUDA-event step timing, 0 synchronisations added by the agent."""
+    torch = ctx.torch
+    dev = ctx.device
+    steps = ctx.args.steps
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    sleep = getattr(torch.cuda, "_sleep", None) if ctx.cuda else None
+    cycles = int(ctx.args.sleep_ms * 1e-3 * 1.5e9)  # ~sleep_ms on a 1.5-2 GHz SM clock
+
+    def body(phase: Callable[[str], Any]) -> None:
+        x = torch.randn(256, 1024, device=dev)
+        with phase("forward"):
+            if sleep is not None:
+                sleep(cycles)  # the GPU falls behind the host: steps stay pending, resolved later
+            loss = model(x).float().pow(2).mean()
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def no_phase(name: str) -> Any:
+        return contextlib.nullcontext()
+
+    body(no_phase)  # warm-up outside the run: allocator, cuBLAS handles, optimizer state
+    ctx.sync()
+
+    detail: dict[str, Any] = {}
+    baseline = 0
+    if ctx.cuda:
+        # the detector sees a deliberate sync of each kind ...
+        with SyncCounter(torch) as control:
+            torch.cuda.synchronize()
+            torch.ones(4, device=dev).sum().item()
+        detail["control_patched"] = dict(control.calls)
+        detail["control_sync_debug_warnings"] = control.debug_warnings
+        need(control.calls.get("torch.cuda.synchronize") == 1, f"the sync counter missed torch.cuda.synchronize: {control.calls}")
+        # ... and counts what the same loop does without the agent (the training code's own syncs)
+        with SyncCounter(torch) as plain:
+            for _ in range(steps):
+                body(no_phase)
+        ctx.sync()
+        baseline = plain.total
+        detail["syncs_without_agent"] = baseline
+
+    run = ctx.init("step-timing")
+    ref: list[tuple[Any, Any]] = []
+    mem_after: list[tuple[int, int]] = []
+    pending_seen = 0
+    counter = SyncCounter(torch) if ctx.cuda else contextlib.nullcontext()
+    with counter:
+        for _ in range(steps):
+            a = _ref_event(torch, ctx.cuda)
+            with run.step():
+                body(run.phase)
+            b = _ref_event(torch, ctx.cuda)
+            ref.append((a, b))
+            if ctx.cuda:  # host-side allocator counters: no synchronisation
+                mem_after.append((torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)))
+            pending_seen = max(pending_seen, int(run.stats()["pending_steps"]))
+    ctx.sync()  # the script's own wait, after the counted loop: every event is complete now
+    got = ctx.finish(run)
+    ref_s = [_ref_elapsed(a, b, ctx.cuda) for a, b in ref]
+
+    # the reference peak of one identical step, torch's own measurement (for check 2)
+    ref_peak = None
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+        body(no_phase)
+        ctx.sync()
+        ref_peak = int(torch.cuda.max_memory_allocated(dev))
+    ctx.train = {"got": got, "mem_after": mem_after, "ref_peak": ref_peak}
+
+    recs = got["steps"]
+    need([r["step"] for r in recs] == list(range(steps)), f"steps received: {[r['step'] for r in recs]}")
+    need(all((r["step_s"] or 0) > 0 for r in recs), "a step without step_s")
+    need(got["stats"].get("clock") == ("cuda" if ctx.cuda else "cpu"), f"clock {got['stats'].get('clock')}")
+    errs = [abs(r["step_s"] - s) / s for r, s in zip(recs, ref_s, strict=True)][1:]
+    detail.update({
+        "steps": len(recs),
+        "clock": got["stats"].get("clock"),
+        "max_pending_steps_seen": pending_seen,
+        "median_step_s": statistics.median(r["step_s"] for r in recs),
+        "median_ref_step_s": statistics.median(ref_s),
+        "step_s_rel_err_median": statistics.median(errs),
+        "step_s_rel_err_max": max(errs),
+        "forward_s_median": statistics.median(r.get("forward_s") or 0.0 for r in recs),
+    })
+    dropped = got["stats"].get("steps_dropped_unresolved", 0)
+    need(dropped == 0, f"{dropped} steps dropped unresolved")
+    if ctx.cuda:
+        detail["syncs_patched"] = dict(counter.calls)  # type: ignore[union-attr]
+        detail["syncs_sync_debug_warnings"] = counter.debug_warnings  # type: ignore[union-attr]
+        added = counter.total - baseline  # type: ignore[union-attr]
+        detail["syncs_added"] = added
+        need(added == 0, f"the agent added {added} device synchronisations: {counter.calls}, "  # type: ignore[union-attr]
+             f"{counter.debug_warnings} sync-debug warnings, {baseline} without the agent")  # type: ignore[union-attr]
+        if sleep is not None:
+            need(pending_seen > 0, "no step was ever pending at a later step end: resolution was not lazy")
+        need(detail["step_s_rel_err_median"] < 0.02 and detail["step_s_rel_err_max"] < 0.10,
+             f"step_s vs the script's CUDA events: median rel. err {detail['step_s_rel_err_median']:.3f}, "
+             f"max {detail['step_s_rel_err_max']:.3f}")
+        detail["summary"] = (f"{len(recs)} steps on CUDA events, 0 syncs added, up to {pending_seen} steps pending, "
+                             f"step_s within {100 * detail['step_s_rel_err_max']:.1f} % of torch's events")
+    else:
+        detail["summary"] = f"plumbing ok on cpu: {len(recs)} steps captured"
+    return detail
+
+
+def check_memory(ctx: Context) -> dict[str, Any]:
+    """2: memory columns of check 1's steps, against the allocator's own counters."""
+    need(ctx.train is not None, "check 1 did not run")
+    assert ctx.train is not None
+    recs = ctx.train["got"]["steps"]
+    need(recs, "no steps")
+    alloc = [r.get("mem_allocated_bytes") for r in recs]
+    reserved = [r.get("mem_reserved_bytes") for r in recs]
+    peak = [r.get("mem_peak_bytes") for r in recs]
+    need(all(isinstance(a, int) and a > 0 for a in alloc), f"mem_allocated_bytes: {alloc}")
+    detail: dict[str, Any] = {"mem_allocated_bytes": alloc[-1], "mem_reserved_bytes": reserved[-1],
+                              "mem_peak_bytes": peak[-1]}
+    if not ctx.cuda:
+        detail["summary"] = f"plumbing ok on cpu: RSS {alloc[-1] / 2**20:.0f} MiB in mem_allocated_bytes"
+        return detail
+    need(all(isinstance(v, int) and v > 0 for v in reserved + peak), f"reserved {reserved} / peak {peak}")
+    need(all(rs >= a and p >= a for a, rs, p in zip(alloc, reserved, peak, strict=True)),
+         "reserved or peak below allocated")
+    mem_after = ctx.train["mem_after"]
+    off_alloc = max(abs(a - m[0]) for a, m in zip(alloc, mem_after, strict=True))
+    off_res = max(abs(rs - m[1]) for rs, m in zip(reserved, mem_after, strict=True))
+    detail["max_abs_diff_allocated_vs_torch"] = off_alloc
+    detail["max_abs_diff_reserved_vs_torch"] = off_res
+    need(off_alloc <= 1 << 20 and off_res <= 1 << 20,
+         f"allocated/reserved differ from torch.cuda.memory_allocated/reserved after the step by {off_alloc}/{off_res} B")
+    ref_peak = ctx.train["ref_peak"]
+    steady = statistics.median(peak[2:] if len(peak) > 2 else peak)
+    rel = abs(steady - ref_peak) / ref_peak
+    detail.update({"median_peak_bytes": steady, "torch_max_memory_allocated": ref_peak, "peak_rel_diff": rel})
+    need(rel < 0.10, f"per-step peak {steady} vs torch.cuda.max_memory_allocated {ref_peak} of the same step ({rel:.1%})")
+    detail["summary"] = (f"allocated {alloc[-1] / 2**20:.0f} MiB, reserved {reserved[-1] / 2**20:.0f} MiB = torch's; "
+                         f"peak {steady / 2**20:.0f} MiB within {100 * rel:.1f} % of max_memory_allocated")
+    return detail
+
+
+def check_mfu(ctx: Context) -> dict[str, Any]:
+    """3: FLOPs of K bf16 N×N matmuls measured by the agent, FLOP/s against torch's timing."""
+    torch = ctx.torch
+    n = ctx.args.matmul_n if ctx.cuda else 256
+    k = ctx.args.matmuls
+    steps = ctx.args.steps
+    a = torch.randn(n, n, device=ctx.device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=ctx.device, dtype=torch.bfloat16)
+    for _ in range(3):
+        torch.mm(a, b)  # warm-up: cuBLAS handle and heuristics
+    ctx.sync()
+    run = ctx.init("mfu", measure_flops=True, dtype="bf16")
+    ref = []
+    for _ in range(steps):
+        with run.step(tokens=n):  # constant tokens: per-step or per-token FLOPs give the same K·2N³
+            with run.phase("forward"):  # the FLOPs are measured over the first step's forward
+                t0 = _ref_event(torch, ctx.cuda)
+                for _ in range(k):
+                    torch.mm(a, b)
+                t1 = _ref_event(torch, ctx.cuda)
+        ref.append((t0, t1))
+    ctx.sync()
+    got = ctx.finish(run)
+    ref_s = [_ref_elapsed(x, y, ctx.cuda) for x, y in ref]
+    recs = got["steps"]
+    need(len(recs) == steps, f"{len(recs)} steps received of {steps}")
+    expected = k * 2 * n**3
+    flops = [r.get("flops") for r in recs]
+    need(all(f is not None for f in flops), f"steps without flops: {flops}")
+    need(all(abs(f - expected) <= 1e-3 * expected for f in flops), f"flops per step {flops[:3]}..., expected {expected}")
+    ev = [e for e in got["events"] if e.get("kind") == "flops"]
+    need(ev and ev[0]["data"].get("source") == "measured", f"no measured flops event: {ev}")
+    steady = range(2, steps) if steps > 3 else range(steps)  # step 0 ran under FlopCounterMode (flagged)
+    agent_fps = statistics.median(expected / recs[i]["step_s"] for i in steady)
+    torch_fps = statistics.median(expected / ref_s[i] for i in steady)
+    rel = abs(agent_fps - torch_fps) / torch_fps
+    peak = got["run_info"].get("peak_flops")
+    detail: dict[str, Any] = {
+        "n": n, "matmuls_per_step": k, "flops_per_step": expected, "agent_flops_per_s": agent_fps,
+        "torch_flops_per_s": torch_fps, "rel_diff": rel, "peak_flops": peak,
+        "device_name": got["run_info"].get("meta", {}).get("device_name"),
+        "mfu": agent_fps / peak if peak else None,
+    }
+    if not ctx.cuda:
+        detail["summary"] = f"plumbing ok on cpu: measured {flops[0]:.3g} FLOPs/step = K·2N³ (timing {rel:.1%} apart)"
+        return detail
+    need(rel < 0.10, f"agent FLOP/s {agent_fps:.4g} vs torch's {torch_fps:.4g} ({rel:.1%})")
+    if peak:
+        need(0.02 < detail["mfu"] <= 1.05, f"implausible MFU {detail['mfu']:.3f} against peak {peak:.3g}")
+    mfu_txt = f"MFU {detail['mfu']:.1%} of {peak / 1e12:.0f} TFLOP/s" if peak else "no peak in the table for this device"
+    detail["summary"] = (f"{expected:.3g} FLOPs/step measured = K·2N³; {agent_fps / 1e12:.0f} TFLOP/s within "
+                         f"{100 * rel:.1f} % of torch's events; {mfu_txt}")
+    return detail
+
+
+def check_collectives(ctx: Context) -> dict[str, Any]:
+    """4: a 1-rank NCCL group; blocking and async collectives recorded with op, bytes, completion."""
+    torch = ctx.torch
+    import torch.distributed as dist
+
+    need(dist.is_available(), "torch.distributed is not available")
+    port = _free_port()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if ctx.cuda else "gloo"
+    kw: dict[str, Any] = {"device_id": ctx.device} if ctx.cuda else {}
+    dist.init_process_group(backend, rank=0, world_size=1, **kw)
+    # torch 2.13 deprecates the *_tensor names for *_single (a FutureWarning per call); the issue names these
+    warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+                            category=FutureWarning)
+    steps = max(3, ctx.args.steps // 4)
+    sizes = {"all_reduce": 4 << 20, "all_gather": 2 << 20, "reduce_scatter": 1 << 20}  # bytes, one op each
+    try:
+        t = {op: torch.ones(nb // 4, device=ctx.device) for op, nb in sizes.items()}
+        out_ag = torch.empty_like(t["all_gather"])
+        out_rs = torch.empty_like(t["reduce_scatter"])
+        dist.all_reduce(t["all_reduce"])  # warm-up: the communicator
+        ctx.sync()
+        run = ctx.init("collectives")
+        counter = SyncCounter(torch) if ctx.cuda else contextlib.nullcontext()
+        with counter:
+            for _ in range(steps):
+                with run.step():
+                    x = t["all_reduce"] * 1.0  # some work on the stream before the collectives
+                    dist.all_reduce(x)
+                    dist.all_gather_into_tensor(out_ag, t["all_gather"])
+                    dist.reduce_scatter_tensor(out_rs, t["reduce_scatter"])
+                    works = [dist.all_reduce(x, async_op=True),
+                             dist.all_gather_into_tensor(out_ag, t["all_gather"], async_op=True),
+                             dist.reduce_scatter_tensor(out_rs, t["reduce_scatter"], async_op=True)]
+                    for w in works:
+                        w.wait()
+        ctx.sync()
+        got = ctx.finish(run)
+    finally:
+        dist.destroy_process_group()
+    by_op: dict[str, dict[str, Any]] = {}
+    for c in got["collectives"]:
+        agg = by_op.setdefault(c["op"], {"calls": 0, "bytes": 0, "total_s": 0.0, "exposed_s": 0.0, "records": 0,
+                                         "group_size": c.get("group_size"), "no_completion": 0})
+        agg["calls"] += c["calls"]
+        agg["bytes"] += c["bytes"]
+        agg["records"] += 1
+        if c.get("total_s") is None or not c["total_s"] > 0:
+            agg["no_completion"] += 1
+        else:
+            agg["total_s"] += c["total_s"]
+        agg["exposed_s"] += c.get("exposed_s") or 0.0
+    detail: dict[str, Any] = {"backend": backend, "steps": steps, "by_op": by_op,
+                              "incomplete": got["stats"].get("collectives_incomplete")}
+    if ctx.cuda:
+        detail["syncs"] = counter.total  # type: ignore[union-attr]  # reported, not judged (check 1 judges)
+    for op, nb in sizes.items():
+        r = by_op.get(op)
+        need(r is not None, f"{op} not recorded: {sorted(by_op)}")
+        assert r is not None
+        need(r["calls"] == 2 * steps, f"{op}: {r['calls']} calls recorded, {2 * steps} made (sync + async)")
+        need(r["bytes"] == 2 * steps * nb, f"{op}: {r['bytes']} bytes recorded, {2 * steps * nb} expected")
+        need(r["group_size"] == 1, f"{op}: group_size {r['group_size']}")
+        need(r["no_completion"] == 0, f"{op}: {r['no_completion']} records without a completion time")
+    need(not got["stats"].get("collectives_incomplete"), f"incomplete collectives: {got['stats']}")
+    line = ", ".join(f"{op} {by_op[op]['calls']}×{by_op[op]['bytes'] // by_op[op]['calls'] // 1024} KiB "
+                     f"{1e6 * by_op[op]['total_s'] / by_op[op]['calls']:.0f} µs" for op in sizes)
+    detail["summary"] = (f"{backend}: {line}" if ctx.cuda else f"plumbing ok on cpu (gloo): {line}")
+    return detail
+
+
+def check_compile(ctx: Context) -> dict[str, Any] | str:
+    """5: torch.compile(mode="reduce-overhead"): compile events and CUDA-graph replays."""
+    if importlib.util.find_spec("fleetscope.agent.compile_watch") is None:
+        return "compile_watch not present"
+    torch = ctx.torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)).to(ctx.device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    run = ctx.init("compile")
+    if ctx.cuda:
+        cmodel = torch.compile(model, mode="reduce-overhead")
+    else:
+        cmodel = torch.compile(model, backend="eager")  # dry run: Dynamo's compile path, no inductor
+    steps = max(6, ctx.args.steps // 2)
+    mark = getattr(getattr(torch, "compiler", None), "cudagraph_mark_step_begin", None)
+    for _ in range(steps):
+        if ctx.cuda and mark is not None:
+            mark()
+        with run.step():
+            x = torch.randn(64, 512, device=ctx.device)
+            loss = cmodel(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    ctx.sync()
+    got = ctx.finish(run)
+    kinds: dict[str, int] = {}
+    for e in got["events"]:
+        kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
+    compiles = [e["data"] for e in got["events"] if e["kind"] == "compile"]
+    graphs = [e["data"] for e in got["events"] if e["kind"] == "cudagraph"]
+    replays = sum(int(d.get("replays") or 0) for d in graphs)
+    detail: dict[str, Any] = {"events": kinds, "compile_s": [d.get("compile_s") for d in compiles],
+                              "triggers": sorted({str(d.get("trigger")) for d in compiles}),
+                              "cudagraph_replays": replays, "steps": len(got["steps"])}
+    need(len(got["steps"]) == steps, f"{len(got['steps'])} steps received of {steps}")
+    need(compiles, f"no compile event: {kinds}")
+    need(all((d.get("compile_s") or 0) > 0 for d in compiles), f"a compile without compile_s: {compiles}")
+    need(kinds.get("compile_summary"), f"no compile_summary event: {kinds}")
+    if not ctx.cuda:
+        detail["summary"] = f"plumbing ok on cpu (eager backend): {len(compiles)} compile events"
+        return detail
+    need(replays > 0, f"no CUDA-graph replay recorded: {graphs}")
+    detail["summary"] = (f"{len(compiles)} compiles ({sum(detail['compile_s']):.1f} s), "
+                         f"{replays} CUDA-graph replays over {steps} steps")
+    return detail
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+CHECKS: list[tuple[str, Callable[[Context], Any]]] = [
+    ("cuda_step_timing", check_step_timing),
+    ("memory", check_memory),
+    ("mfu", check_mfu),
+    ("nccl_collectives", check_collectives),
+    ("compile_cudagraphs", check_compile),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu-dry-run", action="store_true", help="run the plumbing on CPU; CUDA checks are NOT RUN")
+    p.add_argument("--steps", type=int, default=24, help="training steps per check (default 24)")
+    p.add_argument("--sleep-ms", type=float, default=10.0, help="GPU sleep per step in check 1 (default 10)")
+    p.add_argument("--matmul-n", type=int, default=8192, help="N of the bf16 matmuls of check 3 (default 8192)")
+    p.add_argument("--matmuls", type=int, default=8, help="matmuls per step in check 3 (default 8)")
+    p.add_argument("--only", default="", help="comma-separated check names (default: all)")
+    p.add_argument("--json", default="", help="also write the JSON summary to this file")
+    p.add_argument("--timeout", type=float, default=280.0,
+                   help="hard bound in seconds: past it the process dumps its stacks and exits (default 280)")
+    args = p.parse_args(argv)
+    faulthandler.dump_traceback_later(args.timeout, exit=True)
+    t_start = time.monotonic()
+
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if not has_cuda and not args.cpu_dry_run:
+        print("no CUDA device: run with --cpu-dry-run to check the plumbing on CPU", file=sys.stderr)
+        return 2
+    receiver = Receiver()
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="fs-gpu-check-") as spool:
+        ctx = Context(args, receiver, spool)
+        only = {s.strip() for s in args.only.split(",") if s.strip()}
+        for name, fn in CHECKS:
+            if only and name not in only:
+                continue
+            t0 = time.monotonic()
+            detail: dict[str, Any]
+            try:
+                out = fn(ctx)
+                if isinstance(out, str):
+                    status, detail = SKIP, {"summary": out}
+                else:
+                    status, detail = (PASS if ctx.cuda else NOT_RUN), out
+            except Exception as e:  # noqa: BLE001 - a check that breaks is a failed check, not a crash
+                status = FAIL
+                detail = {"summary": f"{type(e).__name__}: {e}",
+                          "traceback": traceback.format_exc(limit=8) if not isinstance(e, CheckFailed) else None}
+                with contextlib.suppress(Exception):
+                    import fleetscope.agent as fs
+
+                    fs.finish("failed", timeout=5)
+            detail["seconds"] = round(time.monotonic() - t0, 2)
+            results[name] = {"status": status, **detail}
+            label = status if status != SKIP else "SKIP:"
+            print(f"{label} {name}: {detail.get('summary', '')} ({detail['seconds']} s)", flush=True)
+            if status == FAIL and detail.get("traceback"):
+                print(detail["traceback"], file=sys.stderr, flush=True)
+        receiver.stop()
+    failed = [n for n, r in results.items() if r["status"] == FAIL]
+    summary = {
+        "ok": not failed,
+        "failed": failed,
+        "mode": "cpu-dry-run" if args.cpu_dry_run else "cuda",
+        "device": torch.cuda.get_device_name(0) if has_cuda and not args.cpu_dry_run else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "seconds": round(time.monotonic() - t_start, 1),
+        "checks": results,
+    }
+    text = json.dumps(summary, indent=1, default=str)
+    print(text, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    faulthandler.cancel_dump_traceback_later()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

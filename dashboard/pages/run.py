@@ -184,7 +184,12 @@ def _series(rid: int) -> tuple[Any, ...]:
     ws = (summary.get("run") or {}).get("world_size") or 1
     kpis = [
         kpi("step p50", fmt_s(d.get("step_s")), f"p95 slowest rank {fmt_s(summary.get('step_s_p95'))}"),
-        kpi("MFU", fmt_pct(summary.get("mfu")), "estimated" if summary.get("mfu_estimated") else (summary.get("flops_source") or "")),
+        kpi("MFU", fmt_pct(summary.get("mfu")), "estimated" if summary.get("mfu_estimated") else (summary.get("flops_source") or ""),
+            kid="run-mfu"),
+        kpi("HFU", fmt_pct(summary.get("hfu")),
+            (f"recompute +{fmt_pct(summary['recompute_overhead'], 0)} FLOPs" if summary.get("recompute_overhead")
+             else "hardware FLOPs: padding + recompute") if summary.get("hfu") is not None else "not measured",
+            kid="run-hfu"),
         kpi("throughput", f"{fmt_num(summary.get('tokens_per_s'))} tokens/s",
             f"{fmt_num(summary.get('tokens_per_s_per_gpu'))} tokens/s/GPU" if summary.get("tokens_per_s") else None),
         kpi("exposed comm", fmt_s(d.get("comm_exposed_s")),

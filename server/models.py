@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Double,
@@ -432,3 +433,31 @@ class RunKernelWindow(Base):
 
 
 __all__ += ["RunKernel", "RunKernelRank", "RunKernelWindow"]
+
+
+# --- node health (migration 0010; server/analysis/network.py, server/reports/network.py) ----------
+
+
+class RunNodeHealth(Base):
+    """Per-(run, node) health, written when the run's network health is computed (its summary, or the
+    node history catching up): the node's ranks, how many were stragglers / network-slow, whether the
+    node was network-slow, its median busbw and latency ratios, at the run's ``rank_steps`` /
+    ``status`` then. ``GET /api/v1/nodes`` aggregates these rows per node."""
+
+    __tablename__ = "run_node_health"
+    __table_args__ = (Index("ix_run_node_health_node", "node"),)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    node: Mapped[str] = mapped_column(String(256), primary_key=True)
+    ranks: Mapped[int] = mapped_column(Integer)
+    straggler_ranks: Mapped[int] = mapped_column(Integer)
+    slow_ranks: Mapped[int] = mapped_column(Integer)
+    slow_network: Mapped[bool] = mapped_column(Boolean)
+    busbw_ratio: Mapped[float | None] = mapped_column(Double)  # median of its ranks' (None: not measured)
+    latency_ratio: Mapped[float | None] = mapped_column(Double)
+    rank_steps: Mapped[int] = mapped_column(BigInteger)  # the run's rank_steps when computed
+    status: Mapped[str] = mapped_column(String(16))  # the run's status when computed
+    seen_at: Mapped[dt.datetime | None] = mapped_column(TZ)  # the run's last activity
+    computed_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
+
+
+__all__ += ["RunNodeHealth"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from ._cache import clear as clear_caches
 from .fleet import compare_runs, compare_view, families, fleet_rows, run_options, scaling, scaling_view
+from .nodes import node_detail, node_list
 from .pages import (
     bottleneck_report,
     collectives_view,
@@ -70,6 +71,8 @@ __all__ = [
     "get_run", "list_runs", "figures", "with_figures", "run_summary", "bottlenecks", "stragglers",
     "collective_efficiency", "run_collectives", "goodput", "run_events", "run_traces", "database_ok",
     "run_compile",
+    # nodes across runs
+    "node_list", "node_detail",
     # run page
     "run_page_summary", "run_series", "modality_series", "collectives_view", "comm_dim_series", "comm_by_dim_of_runs", "straggler_view", "bottleneck_report",
     "ranking_from_shares", "rank_heatmap", "rank_slowdown",

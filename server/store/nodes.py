@@ -1,0 +1,146 @@
+"""Node health: the sampled collective blocks a run's network health is computed from, the per-(run,
+node) ``run_node_health`` rows kept when it is, the node history read from them, and the latest
+per-node microbenchmarks (``benchmark_series`` whose params name a ``node``)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Engine, text
+
+from ..codec import COLL_BLOCK_FIELDS, decode_block
+from ..db import raw_connection
+
+__all__ = [
+    "NodeHistoryRow",
+    "sampled_comm_blocks",
+    "save_node_health",
+    "touch_node_health",
+    "has_node_health",
+    "stale_runs",
+    "node_history",
+    "node_runs",
+    "node_microbench",
+]
+
+
+def sampled_comm_blocks(engine: Engine, run_id: int, *, stride: int, limit: int) -> list[tuple[int, dict[str, np.ndarray]]]:
+    """Decoded collective blocks of the run's compacted steps whose number is divisible by ``stride``,
+    the latest ``limit`` of them, in step order (binary protocol: bytea arrives as bytes)."""
+    with raw_connection(engine) as conn, conn.cursor(binary=True) as cur:
+        cur.execute(
+            "SELECT step, coll_block FROM steps WHERE run_id = %s AND n_ranks > 0 AND coll_block IS NOT NULL "
+            "AND step %% %s = 0 ORDER BY step DESC LIMIT %s",
+            (run_id, max(int(stride), 1), max(int(limit), 0)),
+        )
+        rows = cur.fetchall()
+    return [(int(s), decode_block(COLL_BLOCK_FIELDS, bytes(b))) for s, b in rows[::-1]]
+
+
+_COLS = ("node", "ranks", "straggler_ranks", "slow_ranks", "slow_network", "busbw_ratio", "latency_ratio")
+
+
+def save_node_health(engine: Engine, run_id: int, rank_steps: int, status: str, rows: Sequence[dict[str, Any]]) -> None:
+    """Replace the run's ``run_node_health`` rows (one per node: ``_COLS``) computed at the run's
+    ``rank_steps`` / ``status``; ``seen_at`` is the run's last activity."""
+    with engine.begin() as c:
+        c.execute(text("DELETE FROM run_node_health WHERE run_id = :r"), {"r": run_id})
+        if rows:
+            c.execute(
+                text(
+                    "INSERT INTO run_node_health (run_id, node, ranks, straggler_ranks, slow_ranks, slow_network, "
+                    "busbw_ratio, latency_ratio, rank_steps, status, seen_at) "
+                    "SELECT :r, :node, :ranks, :straggler_ranks, :slow_ranks, :slow_network, :busbw_ratio, "
+                    ":latency_ratio, :rank_steps, :status, coalesce(last_seen_at, finished_at, started_at) "
+                    "FROM runs WHERE id = :r"
+                ),
+                [{"r": run_id, "rank_steps": rank_steps, "status": status, **{k: row[k] for k in _COLS}} for row in rows],
+            )
+
+
+def touch_node_health(engine: Engine, run_id: int, rank_steps: int, status: str) -> int:
+    """Mark the run's stored rows as current for ``rank_steps`` / ``status`` without changing their
+    figures (the run's blocks were removed since: what was measured stays); rows updated."""
+    with engine.begin() as c:
+        return int(c.execute(
+            text("UPDATE run_node_health SET rank_steps = :s, status = :st, computed_at = now() WHERE run_id = :r"),
+            {"r": run_id, "s": rank_steps, "st": status}).rowcount or 0)
+
+
+def has_node_health(engine: Engine, run_id: int) -> bool:
+    with engine.connect() as c:
+        return c.execute(text("SELECT 1 FROM run_node_health WHERE run_id = :r LIMIT 1"), {"r": run_id}).first() is not None
+
+
+# a run needs its rows (re)computed when it has a rank on a known node and compacted steps, and no row
+# of the same status — or, once it is no longer running, of the same rank_steps (a live run's rows are
+# refreshed by its own summary, not by every read of the node history)
+_STALE = """
+FROM runs r
+WHERE r.steps > 0
+  AND EXISTS (SELECT 1 FROM ranks k WHERE k.run_id = r.id AND coalesce(k.node, k.host) IS NOT NULL)
+  AND NOT EXISTS (SELECT 1 FROM run_node_health h WHERE h.run_id = r.id AND h.status = r.status
+                  AND (r.status = 'running' OR h.rank_steps = r.rank_steps))
+"""
+
+
+def stale_runs(engine: Engine, limit: int) -> tuple[list[int], int]:
+    """(ids of up to ``limit`` runs whose node health is missing or stale, newest first; how many there are)."""
+    with engine.connect() as c:
+        ids = [int(r[0]) for r in c.execute(text(f"SELECT r.id {_STALE} ORDER BY r.id DESC LIMIT :k"), {"k": limit})]
+        n = int(c.execute(text(f"SELECT count(*) {_STALE}")).scalar() or 0)
+    return ids, n
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHistoryRow:
+    """One node over the runs it served (``run_node_health``)."""
+
+    node: str
+    runs: int
+    straggler_runs: int  # runs where a rank of it was a straggler
+    slow_network_runs: int  # runs where the node was network-slow
+    slowed_runs: int  # runs with either
+    busbw_ratio_median: float | None  # median over runs of the node's busbw ratio
+    latency_ratio_median: float | None
+    last_seen: dt.datetime | None
+
+
+def node_history(engine: Engine, *, node: str | None = None) -> list[NodeHistoryRow]:
+    """Every node's history (or one node's), in no particular order."""
+    where = "WHERE node = :node" if node is not None else ""
+    with engine.connect() as c:
+        rows = c.execute(text(
+            "SELECT node, count(*), count(*) FILTER (WHERE straggler_ranks > 0), count(*) FILTER (WHERE slow_network), "
+            "count(*) FILTER (WHERE straggler_ranks > 0 OR slow_network), "
+            "percentile_cont(0.5) WITHIN GROUP (ORDER BY busbw_ratio), "
+            "percentile_cont(0.5) WITHIN GROUP (ORDER BY latency_ratio), max(seen_at) "
+            f"FROM run_node_health {where} GROUP BY node"), {"node": node}).fetchall()
+    return [NodeHistoryRow(str(n), int(a), int(b), int(s), int(w), None if m is None else float(m),
+                           None if lt is None else float(lt), t) for n, a, b, s, w, m, lt, t in rows]
+
+
+def node_runs(engine: Engine, node: str, limit: int = 50) -> list[dict[str, Any]]:
+    """The node's runs, newest first: run id and name and the node's figures in it."""
+    with engine.connect() as c:
+        rows = c.execute(text(
+            "SELECT h.run_id, r.name, h.ranks, h.straggler_ranks, h.slow_ranks, h.slow_network, h.busbw_ratio, "
+            "h.latency_ratio, h.seen_at FROM run_node_health h JOIN runs r ON r.id = h.run_id WHERE h.node = :n "
+            "ORDER BY h.seen_at DESC NULLS LAST, h.run_id DESC LIMIT :k"), {"n": node, "k": limit}).fetchall()
+    return [dict(r._mapping) for r in rows]
+
+
+def node_microbench(engine: Engine, prefix: str = "node_") -> list[tuple[str, str, str, dict[str, Any], str, dt.datetime, float]]:
+    """(node, name, cluster, params, unit, ts, value) of the latest point of every benchmark series named
+    ``prefix…`` whose params name a node."""
+    with engine.connect() as c:
+        rows = c.execute(text(
+            "SELECT s.params->>'node', s.name, s.cluster, s.params, s.unit, p.ts, p.value FROM benchmark_series s "
+            "JOIN LATERAL (SELECT ts, value FROM benchmark_points WHERE series_id = s.id ORDER BY ts DESC LIMIT 1) p "
+            "ON true WHERE s.name LIKE :pre AND s.params->>'node' IS NOT NULL ORDER BY s.id"),
+            {"pre": prefix.replace("_", "\\_") + "%"}).fetchall()
+    return [(str(n), nm, cl, p or {}, u, t, float(v)) for n, nm, cl, p, u, t, v in rows]

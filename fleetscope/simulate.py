@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-__all__ = ["simulate", "parse_straggler", "parse_shift", "parse_config_json", "run_simulation"]
+__all__ = ["simulate", "parse_straggler", "parse_slow_node", "parse_shift", "parse_config_json", "run_simulation"]
 
 
 def parse_straggler(value: str | None) -> dict[int, float]:
@@ -31,6 +31,26 @@ def parse_straggler(value: str | None) -> dict[int, float]:
         if rank < 0 or factor <= 0:
             raise typer.BadParameter(f"--straggler rank must be >= 0 and factor > 0, got {part!r}")
         out[rank] = factor
+    return out
+
+
+def parse_slow_node(value: str | None) -> dict[str, float]:
+    """``"NODE=FACTOR"``, several comma-separated (e.g. ``node0003=2``) → {node: factor}: every collective of
+    that node's ranks takes FACTOR× as long (a slow link; FACTOR > 1 slows it)."""
+    import math
+
+    out: dict[str, float] = {}
+    for part in (value or "").split(","):
+        if not part.strip():
+            continue
+        node, sep, factor_s = part.strip().partition("=")
+        try:
+            factor = float(factor_s)
+        except ValueError:
+            factor = float("nan")
+        if not sep or not node or not math.isfinite(factor) or factor <= 0:
+            raise typer.BadParameter(f"--slow-node expects NODE=FACTOR with FACTOR > 0, got {part.strip()!r}")
+        out[node] = factor
     return out
 
 
@@ -86,6 +106,7 @@ def run_simulation(
     realtime: bool = False,
     spool_dir: str | None = None,
     flush_timeout_s: float = 120.0,
+    slow_nodes: dict[str, float] | None = None,
     shift: dict[str, float] | None = None,
     config: dict | None = None,
     git_commit: str | None = None,
@@ -98,6 +119,7 @@ def run_simulation(
 
     spec = RunSpec(name=run, family=family, world_size=ranks, steps=steps, seed=seed, straggler=straggler or {},
                    gpu=gpu, step_ms=step_ms, shift=shift or {}, config=config, git_commit=git_commit)
+    spec.slow_nodes = slow_nodes or {}
     if realtime:
         spec.start_ts = time.time()
     info = spec.run_info()
@@ -144,6 +166,8 @@ def simulate(
     gpu: Annotated[str, typer.Option("--gpu", help="device type (peak FLOP/s from docs/metrics.md)")] = "H100",
     step_ms: Annotated[Optional[float], typer.Option("--step-ms", min=1.0, help="median step time in ms")] = None,
     realtime: Annotated[bool, typer.Option("--realtime", help="emit steps at the step time, like a live job")] = False,
+    slow_node: Annotated[Optional[str], typer.Option(
+        "--slow-node", help="NODE=FACTOR[,...]: that node's collectives run FACTOR× slower (e.g. node0003=2)")] = None,
     shift: Annotated[Optional[str], typer.Option(
         "--shift", help="COMPONENT=FACTOR[,...]: scale data_s, compute_s, comm_exposed_s or other_s in this run")] = None,
     config_json: Annotated[Optional[str], typer.Option(
@@ -158,6 +182,16 @@ def simulate(
     bad = [r for r in strag if r >= ranks]
     if bad:
         raise typer.BadParameter(f"--straggler rank {bad[0]} is not < --ranks {ranks}")
+    slow_nodes = parse_slow_node(slow_node)
+    if slow_nodes:
+        from .synthetic import RunSpec
+
+        probe = RunSpec(name=run, family=family, world_size=ranks, steps=1)
+        nodes = {probe.host_of(r) for r in range(ranks)}
+        unknown = sorted(set(slow_nodes) - nodes)
+        if unknown:
+            raise typer.BadParameter(f"--slow-node {unknown[0]!r} is not a node of this run ({probe.host_of(0)} … "
+                                     f"{probe.host_of(ranks - 1)}, {probe.gpus_per_node} ranks per node)")
     shifts = parse_shift(shift)
     cfg = parse_config_json(config_json)
     if commit is not None and not 0 < len(commit) <= 64:
@@ -165,7 +199,7 @@ def simulate(
     try:
         stats = run_simulation(server=server, token=token, run=run, family=family, ranks=ranks, steps=steps,
                                seed=seed, straggler=strag, gpu=gpu, step_ms=step_ms, realtime=realtime,
-                               shift=shifts, config=cfg, git_commit=commit)
+                               shift=shifts, config=cfg, git_commit=commit, slow_nodes=slow_nodes)
     except RuntimeError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None

@@ -70,6 +70,9 @@ class RunSpec:
     comm_bound: bool = False  # small buckets / no overlap: exposed comm dominates
     gpus_per_node: int = 8
     start_ts: float = 1.7e9
+    #: node name (``host_of``) -> factor: every collective of that node's ranks takes FACTOR× as long (a slow
+    #: link or NIC: lower busbw, higher latency); their work is unchanged, the extra exposed comm lengthens their step
+    slow_nodes: dict[str, float] = field(default_factory=dict)
     #: scale one or more step-time components for this run (``SHIFT_COMPONENTS`` -> factor): data, compute and
     #: other scale the rank's work; comm_exposed_s scales the exposed part of communication, and the extra time
     #: is communication that was not hidden (``comm_total_s`` grows by the same seconds)
@@ -169,6 +172,10 @@ def rank_step_rows(spec: RunSpec, step_lo: int = 0, step_hi: int | None = None) 
             data, compute, other = parts[r]
             wait = slowest - work[r]  # waiting for the slowest rank inside the collectives
             exposed = own_exposed + wait
+            total_r = comm_total + wait
+            if spec.slow_nodes:  # --slow-node: this rank's collectives are FACTOR× slower (not more work)
+                net = spec.slow_nodes.get(spec.host_of(r), 1.0)
+                exposed, total_r = exposed * net, total_r * net
             step_s = data + compute + other + exposed
             padded = fam.tokens_per_rank_step
             tokens = int(padded * (0.86 + 0.1 * rng.random()))
@@ -183,7 +190,7 @@ def rank_step_rows(spec: RunSpec, step_lo: int = 0, step_hi: int | None = None) 
                 "backward_s": compute * 0.6,
                 "optimizer_s": compute - compute / 3 - compute * 0.6,
                 "comm_exposed_s": exposed,
-                "comm_total_s": comm_total + wait,
+                "comm_total_s": total_r,
                 "other_s": other,
                 "tokens": tokens,
                 "padded_tokens": padded,

@@ -1,0 +1,119 @@
+"""Cluster and network health through the real server: runs sent by ``fleetscope simulate --slow-node``
+(the real agent transport) → the run summary's ``network`` names the slow node and its ranks;
+``GET /api/v1/nodes`` ranks it first over a few runs (and a straggler's node second), keeps what was
+measured when the blocks are removed later, forgets a deleted run; bad input gets a 4xx naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from analysis_util import load
+from fleetscope.server import reports
+from sqlalchemy import text
+from typer.testing import CliRunner
+
+from fleetscope.cli import app
+from fleetscope.simulate import run_simulation
+from fleetscope.synthetic import RunSpec
+
+SLOW = "node0002"  # ranks 16-23 of 32 (8 per node)
+
+
+def _summary(srv: Any, rid: int) -> dict[str, Any]:
+    r = httpx.get(f"{srv.url}/api/v1/runs/{rid}/summary", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _rid(srv: Any, name: str) -> int:
+    return int(httpx.get(f"{srv.url}/api/v1/runs", params={"name": name}).json()["runs"][0]["id"])
+
+
+def test_a_slow_node_is_named_by_the_summary_and_ranked_first_across_runs(live_server: Any) -> None:
+    srv = ["--server", live_server.url, "--token", live_server.token]
+    out = CliRunner().invoke(app, ["simulate", *srv, "--run", "slow-a", "--family", "vla-7b", "--ranks", "32",
+                                   "--steps", "20", "--seed", "1", "--slow-node", f"{SLOW}=2"])
+    assert out.exit_code == 0, out.output
+    for i in (2, 3):
+        run_simulation(server=live_server.url, token=live_server.token, run=f"slow-{i}", family="vla-7b", ranks=32,
+                       steps=20, seed=i, slow_nodes={SLOW: 2.0})
+    run_simulation(server=live_server.url, token=live_server.token, run="straggler", family="vla-7b", ranks=32,
+                   steps=20, seed=4, straggler={9: 1.3})  # a compute straggler on node0001
+    run_simulation(server=live_server.url, token=live_server.token, run="healthy", family="vla-7b", ranks=32,
+                   steps=20, seed=5)
+    live_server.compact()
+
+    s = _summary(live_server, _rid(live_server, "slow-a"))
+    net = s["network"]
+    assert [n["node"] for n in net["slow_nodes"]] == [SLOW]
+    assert net["slow_nodes"][0]["ranks"] == 8 and net["slow_nodes"][0]["slow_ranks"] == 8
+    assert net["slow_nodes"][0]["busbw_ratio"] == pytest.approx(0.5, abs=0.1)
+    assert net["slow_nodes"][0]["latency_ratio"] == pytest.approx(2.0, rel=0.2)
+    assert sorted(it["rank"] for it in net["slow_ranks"]) == list(range(16, 24))
+    assert all(it["node"] == SLOW and it["node_flagged"] for it in net["slow_ranks"])
+    assert net["ranks_measured"] == 32 and net["steps_sampled"] == 20 and net["source"] == "last 20 steps"
+    assert s["stragglers"] == []  # a slow link is not more work: no straggler
+
+    healthy = _summary(live_server, _rid(live_server, "healthy"))["network"]
+    assert healthy["slow_ranks"] == [] and healthy["slow_nodes"] == [] and healthy["ranks_measured"] == 32
+    strag = _summary(live_server, _rid(live_server, "straggler"))
+    assert strag["stragglers"][0]["rank"] == 9 and strag["network"]["slow_nodes"] == []
+
+    r = httpx.get(f"{live_server.url}/api/v1/nodes", timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["refreshed_runs"] == 2 and body["pending_runs"] == 0  # the two runs no summary was asked of
+    nodes = body["nodes"]
+    assert body["total"] == len(nodes) == 4
+    first, second = nodes[0], nodes[1]
+    assert first["node"] == SLOW and first["runs"] == 5 and first["slow_network_runs"] == 3
+    assert first["straggler_runs"] == 0 and first["slowed_runs"] == 3 and first["slowed_share"] == 0.6
+    assert first["busbw_ratio_median"] == pytest.approx(0.5, abs=0.1) and first["last_seen"]
+    assert second["node"] == "node0001" and second["straggler_runs"] == 1 and second["slow_network_runs"] == 0
+    assert all(n["slowed_runs"] == 0 and n["busbw_ratio_median"] == pytest.approx(1.0, abs=0.15) for n in nodes[2:])
+
+    one = httpx.get(f"{live_server.url}/api/v1/nodes/{SLOW}").json()
+    assert one["node"] == SLOW and len(one["run_history"]) == 5
+    assert sorted(h["name"] for h in one["run_history"] if h["slow_network"]) == ["slow-2", "slow-3", "slow-a"]
+    assert httpx.get(f"{live_server.url}/api/v1/nodes/nope").status_code == 404
+
+    # the blocks of a run are removed later (retention) and the run changes: what was measured stays
+    rid = _rid(live_server, "slow-2")
+    with live_server.state.engine.begin() as c:
+        c.execute(text("UPDATE steps SET coll_block = NULL WHERE run_id = :r"), {"r": rid})
+        c.execute(text("UPDATE runs SET status = 'failed' WHERE id = :r"), {"r": rid})
+    reports.clear_caches()
+    again = httpx.get(f"{live_server.url}/api/v1/nodes").json()
+    assert again["refreshed_runs"] == 1 and again["nodes"][0]["node"] == SLOW
+    assert again["nodes"][0]["slow_network_runs"] == 3
+    assert _summary(live_server, rid)["network"]["slow_nodes"] == []  # the run itself has nothing left to show
+
+    # a deleted run leaves the history
+    assert httpx.delete(f"{live_server.url}/api/v1/runs/{_rid(live_server, 'slow-a')}",
+                        headers={"Authorization": f"Bearer {live_server.token}"}).status_code == 200
+    after = httpx.get(f"{live_server.url}/api/v1/nodes").json()["nodes"][0]
+    assert after["node"] == SLOW and after["runs"] == 4 and after["slow_network_runs"] == 2
+
+
+def test_bad_input_is_refused_naming_the_field(live_server: Any) -> None:
+    r = httpx.get(f"{live_server.url}/api/v1/nodes", params={"limit": 0})
+    assert r.status_code == 422 and "limit" in r.text
+    r = httpx.get(f"{live_server.url}/api/v1/nodes/x", params={"runs": "many"})
+    assert r.status_code == 422 and "runs" in r.text
+    srv = ["--server", live_server.url, "--token", live_server.token]
+    for bad, msg in (("node0002", "NODE=FACTOR"), ("node0002=0", "FACTOR > 0"), ("node0002=x", "NODE=FACTOR"),
+                     ("node0009=2", "not a node of this run")):
+        out = CliRunner().invoke(app, ["simulate", *srv, "--run", "bad", "--family", "vla-7b", "--ranks", "16",
+                                       "--steps", "2", "--slow-node", bad])
+        assert out.exit_code == 2 and "--slow-node" in out.output and msg in out.output, out.output
+    assert httpx.get(f"{live_server.url}/api/v1/runs", params={"name": "bad"}).json()["runs"] == []
+    # no runs: an empty history, and a run without collectives has an empty network
+    assert httpx.get(f"{live_server.url}/api/v1/nodes").json() == {"nodes": [], "total": 0, "refreshed_runs": 0,
+                                                                    "pending_runs": 0}
+    rid = load(live_server, RunSpec(name="no-coll", family="vit-h", world_size=4, steps=5), collectives=False)
+    net = _summary(live_server, rid)["network"]
+    assert net["slow_ranks"] == [] and net["slow_nodes"] == [] and net["ranks_measured"] == 0 and net["source"] is None
+    (n,) = httpx.get(f"{live_server.url}/api/v1/nodes").json()["nodes"]
+    assert n["node"] == "node0000" and n["runs"] == 1 and n["busbw_ratio_median"] is None and n["slowed_runs"] == 0

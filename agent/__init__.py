@@ -231,6 +231,10 @@ def _init(
     from . import compile_watch
 
     compile_watch.install(run)  # torch.compile health, once torch._dynamo is imported (compile_watch.py)
+    if "torch" in sys.modules:
+        from .mfu import watch_torch_compile
+
+        watch_torch_compile()  # a job that compiles is not FLOP-measured (mfu.py)
     run_mod._set_active(run)
     from . import pipeline_watch
 

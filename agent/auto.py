@@ -29,6 +29,7 @@ import importlib.util
 import logging
 import os
 import sys
+import warnings
 from typing import Any
 
 __all__ = ["activate", "is_launcher_process", "ENV_AUTO", "ENV_FAMILY"]
@@ -135,11 +136,22 @@ def _on_torch_imported() -> None:
     pipeline_watch.arm()  # pipeline stages built before the run starts are reported when it does
     from torch.nn.modules import module as mm
 
+    from .mfu import watch_torch_compile
+
+    watch_torch_compile()  # the job may compile: then the first step's FLOPs are not measured (mfu.py)
+    # torch warns when a compiled module runs while global module hooks exist: these are ours, so
+    # the warning is about us and hidden until they are removed (at the first training forward)
+    warnings.filterwarnings("ignore", message=_GLOBAL_HOOK_WARNING)
+    _filters.append(warnings.filters[0])
     _module_hooks.append(mm.register_module_forward_pre_hook(_global_pre))
     try:
         _module_hooks.append(mm.register_module_forward_hook(_global_post, always_call=True))
     except TypeError:  # older torch without always_call
         _module_hooks.append(mm.register_module_forward_hook(_global_post))
+
+
+_GLOBAL_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
+_filters: list[Any] = []  # the warning filters added while the global hooks exist
 
 
 def _global_pre(module: Any, args: Any) -> None:
@@ -170,6 +182,15 @@ def _remove_module_hooks() -> None:
         except Exception:  # noqa: BLE001
             pass
     _module_hooks.clear()
+    for f in _filters:
+        try:
+            warnings.filters.remove(f)  # type: ignore[attr-defined]
+        except ValueError:
+            pass
+    _filters.clear()
+    mutated = getattr(warnings, "_filters_mutated", None)  # so the removal takes effect (CPython)
+    if mutated is not None:
+        mutated()
 
 
 def _start(module: Any) -> None:

@@ -77,7 +77,7 @@ def _microbench(engine: Engine) -> dict[str, dict[str, Any]]:
                    "params": top[3], "vs_median": vs_median(name, top[2], top[3], top[1]),
                    "by_size": {str(sz): p[1] for sz, p in sorted(by_size.items())}}
         else:
-            top = max(pts, key=lambda p: p[0])
+            top = max(pts, key=lambda p: (p[0], p[3].get("device") == "cuda"))  # latest; the GPU's on a GPU node
             fig = {"value": top[1], "unit": top[4], "ts": top[0].isoformat(), "params": top[3],
                    "vs_median": vs_median(name, top[2], top[3], top[1])}
         out.setdefault(node, {})[short] = fig

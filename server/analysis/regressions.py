@@ -10,7 +10,8 @@
   A second run series per (family, device type) — ``details.scope = "family"`` — catches a
   regression at a *setup switch*: the family's runs moved from one comparable setup (config
   signature, world size) to another, stayed there, and its primary metric (tokens/s/GPU, else MFU)
-  changed for the worse exactly at the switch. Inside one comparable setup that series stays quiet
+  changed for the worse at the switch (the detector's change point at it, or one run off, then
+  measured at it). Inside one comparable setup that series stays quiet
   (the comparable series owns such changes), so no change alerts twice;
 - ``benchmark``: the points of one benchmark series ordered by time;
 - ``step_time_shift``: the median step time within one run, step by step.
@@ -269,8 +270,16 @@ def _switch_regressions(runs: Sequence[RunWithFigures],
         unit, hib = METRICS[metric]
         vals = _metric_values(seq, metric, {}) or []
         res = _last_regression(vals, higher_is_better=hib)
-        if res is None or res[0] != j - k:
+        if res is None or abs(res[0] - (j - k)) > 1:
             continue  # no regression, or not at the switch
+        if res[0] != j - k:
+            # a run off: when the run next to the switch is the extreme of its side, the rank statistic ties
+            # with (and prefers) the more balanced split; the setups say where the change is
+            before, after = float(np.median(vals[: j - k])), float(np.median(vals[j - k:]))
+            change = (after - before) / abs(before)
+            if (-change if hib else change) < MIN_CHANGE:
+                continue
+            res = (j - k, before, after, change, res[4], 0)
         good, bad = members[j - 1][0], members[j][0]
         found.append(_run_regression(seq, skey, metric, unit, vals, res, {
             "scope": "family", "family": family, "device_type": device, "world_size": bad.world_size,

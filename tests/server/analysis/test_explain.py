@@ -233,3 +233,19 @@ def test_a_regression_at_a_setup_switch_is_one_family_alert() -> None:
     # setups interleaved (no clean switch): no family alert
     mixed = [(dataclasses.replace(r, config_signature="AB"[i % 2]), f) for i, (r, f) in enumerate(a + b)]
     assert [r for r in rg.run_series_regressions(mixed)[0] if r.details["scope"] == "family"] == []
+
+
+def test_a_switch_next_to_an_extreme_run_is_still_placed_at_the_switch() -> None:
+    from fleetscope.changepoint import detect
+
+    a = _series(10, 0, {}, sig="A")
+    b = _series(0, 6, {"comm_exposed_s": 2.5}, sig="B", ws=128, start=10)
+    # the last A run is the slowest A run: 9|7 separates as perfectly as 10|6 and is more balanced
+    last_r, last_f = a[-1]
+    a[-1] = (last_r, dataclasses.replace(last_f, tokens_per_s_per_gpu=min(f.tokens_per_s_per_gpu for _, f in a) * 0.999))
+    vals = [f.tokens_per_s_per_gpu for _, f in a + b]
+    assert [c.index for c in detect(vals)] == [9]
+    (reg,) = rg.run_series_regressions(a + b)[0]
+    assert reg.details["scope"] == "family" and reg.first_bad["run_id"] == 11 and reg.first_bad["index"] == 10
+    assert reg.before == pytest.approx(float(np.median(vals[:10]))) and reg.after == pytest.approx(float(np.median(vals[10:])))
+    assert reg.details["good_runs"] == [6, 7, 8, 9, 10] and reg.details["bad_runs"] == [11, 12, 13, 14, 15]

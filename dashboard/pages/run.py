@@ -51,6 +51,7 @@ MODALITY = "run-modality"
 EXTRAS = "run-extras"
 CONFIG = "run-config"
 COMPILE = "run-compile"
+KERNELS = "run-kernels"
 
 GRAPHS = (DECOMPOSITION, HEATMAP, STRAGGLERS, THROUGHPUT, MEMORY, COLLECTIVES, MODALITY)
 
@@ -91,6 +92,7 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
         section("What to fix first", loading(html.Div(id=BOTTLENECK_TEXT))),
         section(None, loading(graph(DECOMPOSITION))),
         loading(html.Div(id=COMPILE)),
+        loading(html.Div(id=KERNELS)),
         section(None, loading(graph(HEATMAP)), right=html.Div([
             dcc.RadioItems(id=HEAT_FIELD, options=[{"label": "step time", "value": "step_s"},
                                                    {"label": "work time", "value": "work_s"}],
@@ -393,6 +395,38 @@ def _extras(rid: int) -> tuple[Any, Any]:
         html.Div(simple_table(["meta", "value"], meta_rows) if meta_rows else None, className="fs-col-4"),
     ], className="fs-row")
     return parts, config
+
+
+def _spread(sp: dict[str, Any] | None) -> str:
+    if not sp:
+        return "–"
+    return f"{sp['min_us']:,.0f} / {sp['median_us']:,.0f} / {sp['max_us']:,.0f} (rank {sp['max_rank']})"
+
+
+@callback(Output(KERNELS, "children"), Input(RUN, "data"))
+def _kernels(rid: int) -> Any:
+    """Kernel hotspots over the run's sampled trace windows (nothing for a run without GPU kernels in
+    its windows): top kernels by time across ranks, category, share, trend and rank spread."""
+    rep = reports.run_kernels(_state.engine(), rid, top=15)
+    if not rep["kernels"]:
+        return None
+    rows = [[html.Span(k["name"][:90] + ("…" if len(k["name"]) > 90 else ""), title=k["name"]), k["category"],
+             fmt_pct(k["share"]), f"{k['us_per_step']:,.0f}" if k.get("us_per_step") is not None else "–",
+             f"{k['trend']['ratio']:.2f}×" if (k.get("trend") or {}).get("ratio") is not None else "–",
+             _spread(k.get("rank_spread"))] for k in rep["kernels"]]
+    table = simple_table(["kernel", "category", "share of kernel time", "µs per rank-step", "trend (last ÷ first)",
+                          "per rank µs/step min / median / max"], rows, numeric=(2, 3, 4), tid=f"{KERNELS}-table")
+    cats = " · ".join(f"{c['category']} {fmt_pct(c['share'], 0)}" for c in rep["categories"][:8])
+    return section("Kernel hotspots", [
+        html.Div([html.B("By category: "), cats], className="fs-muted", id=f"{KERNELS}-categories"),
+        html.Div(table, className="fs-scroll"),
+        html.Ul([html.Li(f[:1].upper() + f[1:] + ".") for f in rep["findings"]], className="fs-list", id=f"{KERNELS}-findings")
+        if rep["findings"] else None,
+        html.Div(f"Sampled profiler windows: {rep['windows']:,} windows on {rep['ranks']:,} ranks, steps "
+                 f"{rep['first_step']:,}–{rep['last_step']:,}; kernel time summed over streams (overlapping kernels "
+                 "both count). Trend: median over ranks of the µs per step in their last window ÷ their first.",
+                 className="fs-footnote"),
+    ], sid=f"{KERNELS}-section")
 
 
 clientside_callback(

@@ -15,6 +15,7 @@ alerts, benchmarks, traces) and keep their transactions here.
 | ``collectives`` | ``run_collectives``, ``run_modalities`` |
 | ``events`` | ``run_events`` |
 | ``alerts`` / ``benchmarks`` / ``traces`` | their tables |
+| ``kernels`` | ``run_kernels``, ``run_kernel_ranks``, ``run_kernel_windows`` (folded from ``run_events``) |
 | ``landing`` | ingest: ``ingest_fragments``, ``modality_raw``, ``ranks``, ``run_events`` |
 | ``compaction`` | the compactor's transaction (fragments → ``steps``, ``run_collectives``, counters) |
 | ``bootstrap`` | creating the database of embedded Postgres |

@@ -45,3 +45,34 @@ def test_mfu_and_hfu_tiles_are_labelled(live_server: Any) -> None:
     assert "22.5 %" in _tile(kpis, "run-mfu")
     assert _tile(kpis, "run-hfu") == "HFU – not measured"
     assert "run-hfu" in _ids(kpis)
+
+
+def test_kernels_panel_lists_the_hotspots(live_server: Any) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "traces"))
+    from fleetscope.agent.tracing import json_safe
+    from trace_testutil import KINETO
+
+    from fleetscope.traces import reduce_trace
+
+    with live_server.client() as c:
+        rid = c.register_run({"name": "kern-page", "model_family": "dlrm", "world_size": 2})
+        none = c.register_run({"name": "no-traces", "model_family": "dlrm", "world_size": 2})
+        evs = []
+        for r in (0, 1):
+            s = json_safe(reduce_trace(KINETO / "hta_sampled_2rank" / f"sampled_rank-{r}.json.gz", rank=r,
+                                       include_last_step=True))
+            evs.append({"rank": r, "seq": 1, "kind": "trace_summary", "ts": 1.7e9, "step": 100,
+                        "data": {"first_step": 100, "active_steps": 2, "summary": s}})
+        c.ingest({"v": 1, "run_id": rid, "events": evs})
+        api = c.get(f"/api/v1/runs/{rid}/kernels", top=15)
+    panel = _callback(live_server, [("run-kernels", "children")], rid)["run-kernels"]["children"]
+    ids = _ids(panel)
+    assert "run-kernels-section" in ids and "run-kernels-table" in ids and "run-kernels-findings" in ids
+    text = " ".join(_texts(panel))
+    assert "Kernel hotspots" in text and "2 windows on 2 ranks" in text
+    top = api["kernels"][0]
+    assert top["name"].startswith("ncclKernel_SendRecv") and top["name"][:90] in text
+    assert f"{top['share'] * 100:.1f} %" in text and "comm" in text and "embedding" in text
+    assert f"rank {top['rank_spread']['max_rank']})" in text
+    # a run without trace windows shows no panel
+    assert _callback(live_server, [("run-kernels", "children")], none)["run-kernels"]["children"] is None

@@ -1,0 +1,120 @@
+"""Kernel hotspots: the ``run_kernels`` / ``run_kernel_ranks`` / ``run_kernel_windows`` tables
+(migration 0009) that the agent's ``trace_summary`` events are folded into, and the reads of the report.
+
+The fold (``fold_new_windows``) runs when the report is read: under the run's transaction-level
+advisory lock it takes the trace windows not folded yet (a bounded chunk at a time), hands them with the
+stored state of their ranks to a pure fold (``analysis.kernels.fold_windows``, passed in), writes the
+changed rows back and marks the windows folded — one transaction per chunk, so a window is folded
+exactly once even with several server processes reading at the same time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sqlalchemy import Engine
+
+from ..db import raw_connection
+
+__all__ = ["fold_new_windows", "rank_rows", "kernel_totals", "kernel_rows", "WindowRow", "StoredState"]
+
+_LOCK_KEY = 727276  # with the run id: pg_advisory_xact_lock(key, run_id)
+
+#: (rank, seq, step, data) of one ``trace_summary`` event; data holds only what the fold reads
+WindowRow = tuple[int, int, int | None, dict[str, Any]]
+#: (rank rows {rank: (windows, steps, kernel µs, first step, last step)},
+#:  kernel rows {rank: {name: (category, µs, launches, windows, first µs, last µs)}}, every kept name)
+StoredState = tuple[dict[int, tuple[int, int, float, int, int]],
+                    dict[int, dict[str, tuple[str, float, int, int, float, float]]], set[str]]
+#: what the fold returns: the changed rank rows and kernel rows, same shapes
+Fold = Callable[[StoredState, list[WindowRow]], StoredState]
+
+_NEW_WINDOWS = """
+SELECT e.rank, e.seq, e.step,
+       jsonb_build_object('active_steps', e.data->'active_steps', 'first_step', e.data->'first_step',
+                          'summary', jsonb_build_object('top_kernels', e.data->'summary'->'top_kernels',
+                                                        'profiler_steps', e.data->'summary'->'profiler_steps'))
+FROM run_events e
+WHERE e.run_id = %s AND e.kind = 'trace_summary'
+  AND NOT EXISTS (SELECT 1 FROM run_kernel_windows w WHERE w.run_id = e.run_id AND w.rank = e.rank AND w.seq = e.seq)
+ORDER BY e.rank, e.seq LIMIT %s
+"""
+
+
+def fold_new_windows(engine: Engine, run_id: int, fold: Fold, *, chunk: int = 500, max_chunks: int = 100) -> int:
+    """Fold the run's trace windows not folded yet with ``fold``; returns how many were folded (at most
+    ``chunk × max_chunks`` per call: the rest waits for the next read)."""
+    done = 0
+    for _ in range(max_chunks):
+        with raw_connection(engine) as conn, conn.cursor() as cur:
+            cur.execute("SELECT pg_advisory_xact_lock(%s, %s)", (_LOCK_KEY, run_id))
+            rows = cur.execute(_NEW_WINDOWS, (run_id, chunk)).fetchall()
+            if not rows:
+                return done
+            windows: list[WindowRow] = [(int(r), int(s), st, d if isinstance(d, dict) else {}) for r, s, st, d in rows]
+            ranks = sorted({w[0] for w in windows})
+            state = _load_state(cur, run_id, ranks)
+            new_ranks, new_kernels, _ = fold(state, windows)
+            if new_ranks:
+                cur.executemany(
+                    "INSERT INTO run_kernel_ranks (run_id, rank, windows, steps, kernel_us, first_step, last_step) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id, rank) DO UPDATE SET "
+                    "windows = excluded.windows, steps = excluded.steps, kernel_us = excluded.kernel_us, "
+                    "first_step = excluded.first_step, last_step = excluded.last_step",
+                    [(run_id, r, *v) for r, v in new_ranks.items()],
+                )
+            krows = [(run_id, r, name, *v) for r, ks in new_kernels.items() for name, v in ks.items()]
+            if krows:
+                cur.executemany(
+                    "INSERT INTO run_kernels (run_id, rank, name, category, time_us, launches, windows, first_us, last_us) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id, rank, name) DO UPDATE SET "
+                    "category = excluded.category, time_us = excluded.time_us, launches = excluded.launches, "
+                    "windows = excluded.windows, first_us = excluded.first_us, last_us = excluded.last_us",
+                    krows,
+                )
+            cur.executemany("INSERT INTO run_kernel_windows (run_id, rank, seq) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
+                            [(run_id, w[0], w[1]) for w in windows])
+            done += len(windows)
+            if len(rows) < chunk:
+                return done
+    return done
+
+
+def _load_state(cur: Any, run_id: int, ranks: Sequence[int]) -> StoredState:
+    rank_rows = {int(r): (int(w), int(s), float(us), int(f), int(la)) for r, w, s, us, f, la in cur.execute(
+        "SELECT rank, windows, steps, kernel_us, first_step, last_step FROM run_kernel_ranks "
+        "WHERE run_id = %s AND rank = ANY(%s)", (run_id, list(ranks))).fetchall()}
+    kernels: dict[int, dict[str, tuple[str, float, int, int, float, float]]] = {}
+    for r, name, cat, us, n, w, f_us, l_us in cur.execute(
+            "SELECT rank, name, category, time_us, launches, windows, first_us, last_us FROM run_kernels "
+            "WHERE run_id = %s AND rank = ANY(%s)", (run_id, list(ranks))).fetchall():
+        kernels.setdefault(int(r), {})[name] = (cat, float(us), int(n), int(w), float(f_us), float(l_us))
+    names = {n for (n,) in cur.execute("SELECT DISTINCT name FROM run_kernels WHERE run_id = %s", (run_id,)).fetchall()}
+    return rank_rows, kernels, names
+
+
+def rank_rows(engine: Engine, run_id: int) -> dict[int, tuple[int, int, float, int, int]]:
+    """{rank: (windows, profiled steps, kernel µs, first window step, last window step)}."""
+    with raw_connection(engine) as conn, conn.cursor() as cur:
+        return {int(r): (int(w), int(s), float(us), int(f), int(la)) for r, w, s, us, f, la in cur.execute(
+            "SELECT rank, windows, steps, kernel_us, first_step, last_step FROM run_kernel_ranks WHERE run_id = %s",
+            (run_id,)).fetchall()}
+
+
+def kernel_totals(engine: Engine, run_id: int) -> list[tuple[str, str, float, int]]:
+    """(name, category, µs, launches) of every kept kernel name, summed over ranks."""
+    with raw_connection(engine) as conn, conn.cursor() as cur:
+        return [(n, c, float(us), int(k)) for n, c, us, k in cur.execute(
+            "SELECT name, min(category), sum(time_us), sum(launches) FROM run_kernels WHERE run_id = %s GROUP BY name",
+            (run_id,)).fetchall()]
+
+
+def kernel_rows(engine: Engine, run_id: int, names: Sequence[str]) -> list[tuple[str, int, float, float, float]]:
+    """(name, rank, µs, first-window µs per step, last-window µs per step) of these kernels on every rank."""
+    if not names:
+        return []
+    with raw_connection(engine) as conn, conn.cursor() as cur:
+        return [(n, int(r), float(us), float(f), float(la)) for n, r, us, f, la in cur.execute(
+            "SELECT name, rank, time_us, first_us, last_us FROM run_kernels WHERE run_id = %s AND name = ANY(%s)",
+            (run_id, list(names))).fetchall()]

@@ -38,6 +38,11 @@ __all__ = [
     "alert_series_figure",
     "benchmark_figure",
     "busbw_by_size_figure",
+    "comm_dims_figure",
+    "pipeline_stages_figure",
+    "compare_comm_dims_figure",
+    "scaling_comm_dims_figure",
+    "dim_color",
     "aggregation_note",
 ]
 
@@ -497,3 +502,115 @@ def busbw_by_size_figure(series: Sequence[dict[str, Any]]) -> Fig:
     return {"data": data, "layout": _layout("Collective busbw by message size (latest)", height=300, hovermode="closest",
                                             x=_axis(title="message size (bytes, log)", type="log"),
                                             y=_axis(title=f"busbw ({yunit})"))}
+
+
+#: a parallel dimension keeps its colour on every page (run, compare, scaling); other names by order
+_DIM_COLORS = {"dp": "#0072B2", "dp_shard": "#0072B2", "dp_replicate": "#56B4E9", "tp": "#D55E00", "pp": "#009E73",
+               "cp": "#CC79A7", "ep": "#E69F00", "sp": "#8c564b", "world": "#000000", "unknown": "#9A9A9A"}
+_DIM_SPARE = ("#F0E442", "#7f7f7f", "#56B4E9", "#CC79A7", "#E69F00", "#8c564b")
+
+
+def dim_color(dim: str, order: Sequence[str] = ()) -> str:
+    """The colour of a parallel dimension (DeviceMesh name): fixed for the usual names, else by its
+    place in ``order``."""
+    if dim in _DIM_COLORS:
+        return _DIM_COLORS[dim]
+    others = [d for d in order if d not in _DIM_COLORS]
+    i = others.index(dim) if dim in others else len(others)
+    return _DIM_SPARE[i % len(_DIM_SPARE)]
+
+
+def comm_dims_figure(series: dict[str, Any] | None, order: Sequence[str] = (), *, note: str | None = None) -> Fig:
+    """Exposed communication per parallel dimension over steps (``reports.comm_dim_series``), a line
+    per dimension; ``order``: dimensions first in this order (the summary's, most exposed first)."""
+    dims = (series or {}).get("dims") or {}
+    steps = (series or {}).get("steps") or []
+    used = [d for d in dims if any(v for v in dims[d].get("exposed_s") or [])]
+    names = [d for d in order if d in used] + sorted(d for d in used if d not in order)
+    if not steps or not names:
+        return empty_figure("No exposed communication recorded by dimension for this run.")
+    mult, unit = time_unit([v for d in names for v in dims[d]["exposed_s"][:: max(1, len(steps) // 500)] if v])
+    x = _arr(np.asarray(steps))
+    data = [{"type": "scatter", "x": x, "y": _f(dims[d]["exposed_s"], mult), "name": d, "mode": "lines",
+             "line": {"color": dim_color(d, names), "width": 1.2}, "hovertemplate": f"%{{y:.3g}} {unit}"} for d in names]
+    return {"data": data, "layout": _layout(
+        "Exposed communication by dimension", height=260,
+        note=note or "per step: cross-rank median of each rank's exposed comm in the dimension",
+        x=_axis(title="step"), y=_axis(title=f"exposed comm per step ({unit})", rangemode="tozero"))}
+
+
+def pipeline_stages_figure(pipeline: dict[str, Any] | None) -> Fig:
+    """Per pipeline stage: busy time (step − exposed comm) and bubble (send/recv wait) side by side."""
+    per = (pipeline or {}).get("per_stage") or []
+    if not per:
+        return empty_figure("No per-stage figures: no rank reported its stage with step records.")
+    mult, unit = time_unit([p.get("busy_s") for p in per] + [p.get("bubble_s") for p in per])
+    xs = [f"stage {p['stage']}" for p in per]
+    slow = (pipeline or {}).get("slowest_stage")
+    data = [{"type": "bar", "x": xs, "y": [(p.get(k) or 0) * mult for p in per], "name": label, "marker": {"color": color},
+             "hovertemplate": f"%{{y:.3g}} {unit}"}
+            for k, label, color in (("busy_s", "busy (step − exposed comm)", COMPONENT_COLORS["compute_s"]),
+                                    ("bubble_s", "bubble (send/recv wait)", COMPONENT_COLORS["comm_exposed_s"]))]
+    ann = ([{"text": "slowest", "x": f"stage {slow}", "y": 1, "yref": "y domain", "showarrow": False, "yanchor": "bottom",
+             "font": {"size": 10, "color": _MUTED}}] if slow is not None and len(per) > 1 else [])
+    return {"data": data, "layout": _layout(
+        "Pipeline stages: busy time and bubble", height=260, barmode="group",
+        note="median of each stage's ranks over recent steps", x=_axis(title="pipeline stage", type="category"),
+        y=_axis(title=f"time per step ({unit})", rangemode="tozero"), annotations=ann)}
+
+
+def compare_comm_dims_figure(by_run: dict[int, dict[str, dict[str, float]]], names: dict[int, str]) -> Fig:
+    """Exposed communication per dimension, one bar per run in each dimension group (per step)."""
+    if not by_run:
+        return empty_figure("Pick two or more runs to compare.")
+    dims: list[str] = []
+    for by in by_run.values():
+        dims += [d for d in by if d not in dims]
+    if not dims:
+        return empty_figure("No collectives recorded for these runs.")
+    mult, unit = time_unit([v.get("exposed_s") for by in by_run.values() for v in by.values()])
+    # a run with collectives but none in a dimension: 0 there; a run without collectives: no bars
+    data = [{"type": "bar", "x": dims, "y": [((by.get(d) or {}).get("exposed_s") or 0) * mult if by else None for d in dims],
+             "name": names.get(rid, str(rid)), "marker": {"color": SERIES_COLORS[i % len(SERIES_COLORS)]},
+             "hovertemplate": f"%{{x}}: %{{y:.3g}} {unit}"}
+            for i, (rid, by) in enumerate(by_run.items())]
+    return {"data": data, "layout": _layout(
+        "Exposed communication by dimension", height=260, barmode="group", hovermode="x unified",
+        note="per step: median over steps of the cross-rank median", x=_axis(title="parallel dimension", type="category"),
+        y=_axis(title=f"exposed comm per step ({unit})", rangemode="tozero"))}
+
+
+_DASHES = ("solid", "dash", "dot", "dashdot")
+
+
+def scaling_comm_dims_figure(data: dict[str, Any]) -> Fig:
+    """Exposed communication per dimension against world size: a line per dimension (colour), per
+    configuration (dash)."""
+    cfgs = data.get("configs") or []
+    series: list[tuple[int, str, list[int], list[float | None]]] = []
+    for ci, g in enumerate(cfgs):
+        pts = g["points"]
+        dims: list[str] = []
+        for p in pts:
+            dims += [d for d in (p.get("comm_by_dim") or {}) if d not in dims]
+        for d in dims:
+            ys = [((p.get("comm_by_dim") or {}).get(d) or {}).get("exposed_s") for p in pts]
+            series.append((ci, d, [p["world_size"] for p in pts], ys))
+    if not series:
+        return empty_figure("No collectives recorded by dimension for these runs.")
+    mult, unit = time_unit([y for *_, ys in series for y in ys])
+    order = list(dict.fromkeys(d for _, d, _, _ in series))
+    traces = []
+    for ci, d, xs, ys in series:
+        label = cfgs[ci]["config"]
+        name = d if len(cfgs) == 1 else f"{d} · {label if len(label) <= 32 else label[:31] + '…'}"
+        traces.append({"type": "scatter", "x": xs, "y": [None if y is None else y * mult for y in ys], "name": name,
+                       "mode": "lines+markers", "line": {"color": dim_color(d, order), "dash": _DASHES[ci % len(_DASHES)]},
+                       "text": [cfgs[ci]["config"]] * len(xs),
+                       "hovertemplate": f"n=%{{x}}: %{{y:.3g}} {unit}<br>%{{text}}<extra>{d}</extra>"})
+    sizes = [x for _, _, xs, _ in series for x in xs]
+    return {"data": traces, "layout": _layout(
+        "Exposed communication by dimension vs world size", height=300, hovermode="closest",
+        note="per step, median over the runs at each size" + ("; line style = configuration" if len(cfgs) > 1 else ""),
+        x=_log2_axis(sizes, title="world size (GPUs, log)"), y=_axis(title=f"exposed comm per step ({unit})",
+                                                                    rangemode="tozero"))}

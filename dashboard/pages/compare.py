@@ -1,5 +1,6 @@
 """Compare (``/compare?runs=a,b,...``): runs overlaid, with a diff table of normalised metrics
-(tokens/s/GPU, MFU, step time per 1k tokens) and of the config; the URL is the shareable state."""
+(tokens/s/GPU, MFU, step time per 1k tokens, exposed comm per parallel dimension) and of the config,
+and exposed comm per dimension side by side; the URL is the shareable state."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ RUNS = "compare-runs"
 URL = "compare-url"
 SERIES = "compare-series"
 DECOMP = "compare-decomposition"
+COMM_DIMS = "compare-comm-dims"
 METRICS = "compare-metrics"
 CONFIG = "compare-config"
 ONLY_DIFF = "compare-only-diff"
@@ -71,6 +73,7 @@ def layout(runs: str | None = None, diff: str | None = None, **_: Any) -> html.D
         loading(html.Div(id=METRICS)),
         html.Div([section(None, loading(graph(SERIES)), cls="fs-col-7"),
                   section(None, loading(graph(DECOMP)), cls="fs-col-5")], className="fs-row"),
+        section(None, loading(graph(COMM_DIMS))),
         section("Config", loading(html.Div(id=CONFIG))),
     ])
 
@@ -84,15 +87,15 @@ def _delta(v: Any, base: Any, better_high: bool) -> Any:
     return html.Span(f" {ch * 100:+.1f} %", className=cls)
 
 
-@callback(Output(METRICS, "children"), Output(SERIES, "figure"), Output(DECOMP, "figure"), Output(CONFIG, "children"),
-          Input(RUNS, "value"), Input(ONLY_DIFF, "value"))
+@callback(Output(METRICS, "children"), Output(SERIES, "figure"), Output(DECOMP, "figure"), Output(COMM_DIMS, "figure"),
+          Output(CONFIG, "children"), Input(RUNS, "value"), Input(ONLY_DIFF, "value"))
 def _fill(ids: list[int] | None, only_diff: list[str] | None) -> tuple[Any, ...]:
     ids = [int(i) for i in (ids or [])][:MAX_RUNS]
     if len(ids) < 1:
         e = empty_state("Pick runs to compare", "Choose two or more runs above (or open /compare?runs=12,15). The overlay, "
                         "a diff of normalised metrics (tokens/s/GPU, MFU, step time per 1k tokens) and the config diff "
                         "appear here; copy the URL to share exactly this view.")
-        return e, F.compare_series_figure({}, {}), F.compare_decomposition_figure({}, {}), None
+        return e, F.compare_series_figure({}, {}), F.compare_decomposition_figure({}, {}), F.compare_comm_dims_figure({}, {}), None
     data = reports.compare_view(_state.engine(), ids)
     names = {r["id"]: r["name"] for r in data["runs"]}
     runs = data["runs"]
@@ -104,6 +107,12 @@ def _fill(ids: list[int] | None, only_diff: list[str] | None) -> tuple[Any, ...]
             continue
         b = vals[0]
         rows.append([label] + [html.Span([fmt(v), _delta(v, b, hib) if i else None]) for i, v in enumerate(vals)])
+    by_dim = {r["id"]: data["comm_by_dim"].get(r["id"]) or {} for r in runs}
+    for dim in dict.fromkeys(d for by in by_dim.values() for d in by):
+        # a run with collectives but none in this dimension spends 0 s in it; one with none at all: not measured
+        vals = [((by_dim[r["id"]].get(dim) or {}).get("exposed_s") or 0.0) if by_dim[r["id"]] else None for r in runs]
+        rows.append([f"exposed comm · {dim} (per step)"]
+                    + [html.Span([fmt_s(v), _delta(v, vals[0], False) if i else None]) for i, v in enumerate(vals)])
     info = [["family"] + [r.get("model_family") or "–" for r in runs], ["GPUs"] + [f"{r['world_size']:,}" for r in runs],
             ["device"] + [r.get("device_type") or "–" for r in runs], ["commit"] + [r.get("git_commit") or "–" for r in runs]]
     missing = (html.Div(f"Unknown run ids ignored: {', '.join(map(str, data['missing']))}", className="fs-footnote")
@@ -119,7 +128,8 @@ def _fill(ids: list[int] | None, only_diff: list[str] | None) -> tuple[Any, ...]
         cfg = html.Div("The configs are identical." if data["config"] else "No config recorded for these runs.",
                        className="fs-muted")
     return (metrics, F.compare_series_figure(data["series"], names),
-            F.compare_decomposition_figure(data["metrics"], names), cfg)
+            F.compare_decomposition_figure(data["metrics"], names),
+            F.compare_comm_dims_figure({r["id"]: by_dim[r["id"]] for r in runs}, names), cfg)
 
 
 clientside_callback(

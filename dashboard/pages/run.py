@@ -2,8 +2,9 @@
 
 Sections: bottleneck report (Amdahl ceilings + findings), step-time decomposition, per-rank × step
 heatmap (``?heat=step_s|work_s&agg=max|mean``, reduced server-side), stragglers by rank and node,
-throughput/MFU, memory, collectives (busbw, efficiency), modality tokens and packing, goodput and
-events, trace summaries when present, and the config."""
+throughput/MFU, memory, collectives (busbw, efficiency), communication by parallel dimension and the
+pipeline (when the job has one), modality tokens and packing, goodput and events, trace summaries when
+present, and the config."""
 
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ EXTRAS = "run-extras"
 CONFIG = "run-config"
 COMPILE = "run-compile"
 KERNELS = "run-kernels"
+COMM_DIMS = "run-comm-dims"
+PIPELINE = "run-pipeline"
 
 GRAPHS = (DECOMPOSITION, HEATMAP, STRAGGLERS, THROUGHPUT, MEMORY, COLLECTIVES, MODALITY)
 
@@ -106,6 +109,8 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
         section(None, html.Div([html.Div(loading(graph(COLLECTIVES)), className="fs-col-6"),
                                          html.Div(loading(html.Div(id=COLLECTIVE_TABLE)), className="fs-col-6 fs-scroll")],
                                         className="fs-row")),
+        loading(html.Div(id=COMM_DIMS)),
+        loading(html.Div(id=PIPELINE)),
         section(None, loading(graph(MODALITY))),
         loading(html.Div(id=EXTRAS)),
         section("Config", loading(html.Div(id=CONFIG))),
@@ -162,13 +167,33 @@ def _bottleneck_panel(summary: dict[str, Any], report: dict[str, Any]) -> html.D
     ], id="run-bottleneck-report")
 
 
-def _phases_kpi(phases: dict[str, float]) -> Any:
-    """Compute split into the phases the agent measured (median step): forward / backward / optimizer."""
-    order = [k for k in ("forward", "backward", "optimizer") if phases.get(k) is not None]
-    if not order:
+_MAX_PHASE_ROWS = 6  # phases listed in the tile; the rest are summed into one row
+
+
+def _phases_kpi(phases: dict[str, float], step_s: float | None) -> Any:
+    """Compute split into the phases the agent measured (median step): forward / backward / optimizer
+    and the job's own ``run.phase(name)`` phases, biggest first, each with its seconds and share of the
+    median step."""
+    items = sorted(((str(k), float(v)) for k, v in phases.items() if isinstance(v, (int, float)) and v == v),
+                   key=lambda kv: (-kv[1], kv[0]))
+    if not items:
         return kpi("compute phases", "–", "not measured (manual steps without phases)", kid=PHASES_KPI)
-    return kpi("compute phases", " / ".join(fmt_s(phases[k]) for k in order), " / ".join(order) + " (median step)",
-               kid=PHASES_KPI)
+    shown = items if len(items) <= _MAX_PHASE_ROWS else items[:_MAX_PHASE_ROWS - 1]
+    rest = items[len(shown):]
+    rows = [(name, v, name) for name, v in shown]
+    if rest:
+        rows.append((f"{len(rest)} more", sum(v for _, v in rest), ", ".join(n for n, _ in rest)))
+    name_style = {"padding": "0 8px 0 0", "whiteSpace": "nowrap", "maxWidth": "150px", "overflow": "hidden",
+                  "textOverflow": "ellipsis"}
+    body = html.Table(html.Tbody([html.Tr([
+        html.Td(name, title=title, style=name_style),
+        html.Td(fmt_s(v), className="fs-num", style={"padding": "0 8px 0 0"}),
+        html.Td(fmt_pct(v / step_s, 0) if step_s else "–", className="fs-num fs-muted", style={"padding": "0"}),
+    ]) for name, v, title in rows]), className="fs-table", style={"width": "auto", "marginTop": "2px"})
+    return html.Div([html.Div("compute phases · median step", className="fs-kpi-label"), body],
+                    className="fs-kpi", id=PHASES_KPI, style={"flex": "2 1 250px"},
+                    title="median over steps of the cross-rank mean; share = of the median step; custom phases "
+                          "(run.phase) are part of compute")
 
 
 @callback(
@@ -197,7 +222,7 @@ def _series(rid: int) -> tuple[Any, ...]:
         kpi("exposed comm", fmt_s(d.get("comm_exposed_s")),
             f"overlap {fmt_pct(summary.get('overlap_ratio'))}" if summary.get("overlap_ratio") is not None else None),
         kpi("data wait", fmt_s(d.get("data_s"))),
-        _phases_kpi(summary.get("phases") or {}),
+        _phases_kpi(summary.get("phases") or {}, d.get("step_s")),
         kpi("peak memory", fmt_bytes(summary.get("mem_peak_bytes")), "max over ranks"),
         kpi("packing", fmt_pct(summary.get("packing_efficiency")), "real ÷ padded tokens"),
         kpi("records", f"{fmt_num(summary.get('rank_steps'))} rank-steps",
@@ -320,6 +345,81 @@ def _collectives(rid: int) -> tuple[Any, Any]:
     foot = [f"Time-weighted efficiency of messages ≥ 1 MiB: {eff * 100:.0f} % of link peak." if eff is not None else None,
             view.get("note")]
     return F.collectives_figure(rows), html.Div([table] + [html.Div(f, className="fs-footnote") for f in foot if f])
+
+
+def _per_step(v: float) -> str:
+    """A count per step (a median: may be fractional)."""
+    return f"{v:,.0f}" if float(v).is_integer() else f"{v:,.2f}"
+
+
+def _ms(v: Any) -> str:
+    return f"{v * 1e3:,.2f}" if isinstance(v, (int, float)) else "–"
+
+
+def _sentence(text: str) -> str:
+    return (text[:1].upper() + text[1:]).rstrip(".") + "."
+
+
+def _comm_dims_panel(summary: dict[str, Any], series: dict[str, Any]) -> Any:
+    """Communication per parallel dimension: exposed comm per step by dimension (chart), the per-step
+    figures of each dimension (table) and the findings in words; nothing without collectives."""
+    by = summary.get("comm_by_dim") or {}
+    if not by:
+        return None
+    step_s = (summary.get("decomposition") or {}).get("step_s")
+    rows = [[html.B(dim), _per_step(v.get("calls") or 0), fmt_bytes(v.get("bytes")), _ms(v.get("total_s")),
+             _ms(v.get("exposed_s")), fmt_pct(v["exposed_s"] / step_s) if step_s and v.get("exposed_s") is not None else "–",
+             f"{v['nodes']:,}" if v.get("nodes") else "–"] for dim, v in by.items()]
+    table = simple_table(["dimension", "calls/step", "bytes/step", "total (ms/step)", "exposed (ms/step)",
+                          "exposed share of step", "nodes spanned"], rows, numeric=(1, 2, 3, 4, 5, 6), tid=f"{COMM_DIMS}-table")
+    n_steps = summary.get("steps") or 0
+    shown = len(series.get("steps") or [])
+    note = (f"per step: cross-rank median; {shown:,} of {n_steps:,} steps shown (evenly spaced)"
+            if n_steps and 0 < shown < n_steps else None)
+    findings = [_sentence(f["finding"]) for f in summary.get("parallel_findings") or [] if f.get("finding")]
+    foot = ("Per step: the median over steps of the cross-rank median of a rank's calls, bytes and seconds in the "
+            "dimension (its DeviceMesh name; 'world' = all ranks)"
+            + ("; pipeline send/recv are in the Pipeline panel" if summary.get("pipeline") else "") + ".")
+    return section("Communication by dimension", [
+        html.Div([html.Div(graph(f"{COMM_DIMS}-chart", F.comm_dims_figure(series, list(by), note=note)), className="fs-col-6"),
+                  html.Div(table, className="fs-col-6 fs-scroll")], className="fs-row"),
+        html.Ul([html.Li(f) for f in findings], className="fs-list", id=f"{COMM_DIMS}-findings") if findings else None,
+        html.Div(foot, className="fs-footnote"),
+    ], sid=f"{COMM_DIMS}-section")
+
+
+def _pipeline_panel(summary: dict[str, Any]) -> Any:
+    """The pipeline: stages, schedule, micro-batches, bubble (send/recv wait) and the slowest stage,
+    with busy time and bubble per stage; nothing for a job without pipeline stages."""
+    p = summary.get("pipeline")
+    if not p:
+        return None
+    frac = p.get("bubble_fraction")
+    per = {x["stage"]: x for x in p.get("per_stage") or []}
+    slow = p.get("slowest_stage")
+    tiles = [kpi("stages", f"{p.get('stages') or 0:,}"),
+             kpi("schedule", p.get("schedule") or "–", None if p.get("schedule") else "not reported"),
+             kpi("micro-batches", f"{p['microbatches']:,}" if p.get("microbatches") else "–",
+                 None if p.get("microbatches") else "not reported"),
+             kpi("bubble", fmt_s(p.get("bubble_s")), f"{fmt_pct(frac)} of the step" if frac is not None else None,
+                 tone="bad" if frac is not None and frac >= 0.05 else None),
+             kpi("slowest stage", f"stage {slow}" if slow is not None else "–",
+                 f"busy {fmt_s(per[slow]['busy_s'])}" if slow in per else None)]
+    return section("Pipeline", [
+        kpi_strip(tiles, kid=f"{PIPELINE}-kpis"),
+        graph(f"{PIPELINE}-chart", F.pipeline_stages_figure(p)),
+        html.Div("Bubble = time a rank waits in point-to-point send/recv (cross-rank median per step, median over "
+                 "steps); it is part of exposed communication. Busy = step − exposed communication.",
+                 className="fs-footnote"),
+    ], sid=f"{PIPELINE}-section")
+
+
+@callback(Output(COMM_DIMS, "children"), Output(PIPELINE, "children"), Input(RUN, "data"))
+def _parallelism(rid: int) -> tuple[Any, Any]:
+    eng = _state.engine()
+    summary = reports.run_page_summary(eng, rid) or {}
+    series = reports.comm_dim_series(eng, rid) if summary.get("comm_by_dim") else {}
+    return _comm_dims_panel(summary, series), _pipeline_panel(summary)
 
 
 def _num_cell(v: Any, fmt: str = "{:.2f}") -> str:

@@ -1,5 +1,6 @@
 """Scaling (``/scaling?family=F``): throughput and scaling efficiency against world size per
-configuration, the ideal line, and which step-time component grows with scale."""
+configuration, the ideal line, which step-time component grows with scale, and exposed communication
+per parallel dimension (dp, tp, pp, ...) against world size."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ URL = "scaling-url"
 THROUGHPUT = "scaling-throughput"
 EFFICIENCY = "scaling-efficiency"
 DECOMP = "scaling-decomposition"
+COMM_DIMS = "scaling-comm-dims"
 TABLE = "scaling-table"
 EMPTY = "scaling-empty"
 MAX_CONFIGS = 4
@@ -47,19 +49,20 @@ def layout(family: str | None = None, **_: Any) -> html.Div:
         html.Div([section(None, loading(graph(THROUGHPUT)), cls="fs-col-6"),
                   section(None, loading(graph(EFFICIENCY)), cls="fs-col-6")], className="fs-row"),
         loading(html.Div(id=DECOMP, className="fs-row")),
+        section(None, loading(graph(COMM_DIMS))),
         section("Points", loading(html.Div(id=TABLE))),
     ])
 
 
-@callback(Output(THROUGHPUT, "figure"), Output(EFFICIENCY, "figure"), Output(DECOMP, "children"), Output(TABLE, "children"),
-          Input(FAMILY, "value"))
+@callback(Output(THROUGHPUT, "figure"), Output(EFFICIENCY, "figure"), Output(DECOMP, "children"),
+          Output(COMM_DIMS, "figure"), Output(TABLE, "children"), Input(FAMILY, "value"))
 def _fill(family: str) -> tuple[Any, ...]:
     data = reports.scaling_view(_state.engine(), family)
     cfgs = data["configs"][:MAX_CONFIGS]
     data = {**data, "configs": cfgs}
     if not cfgs:
         e = empty_state(f"No runs of {family} with throughput yet", "Runs need tokens per step to be placed on the curve.")
-        return F.scaling_throughput_figure(data), F.scaling_efficiency_figure(data), [], e
+        return F.scaling_throughput_figure(data), F.scaling_efficiency_figure(data), [], F.scaling_comm_dims_figure(data), e
     width = 12 // max(1, min(len(cfgs), 2))
     decs = [section(None, graph(f"{DECOMP}-{i}", F.scaling_decomposition_figure(g)), cls=f"fs-col-{width}")
             for i, g in enumerate(cfgs)]
@@ -67,13 +70,14 @@ def _fill(family: str) -> tuple[Any, ...]:
     for g in cfgs:
         for p in g["points"]:
             rows.append([g["config"], f"{p['world_size']:,}", len(p["runs"]), f"{fmt_num(p['tokens_per_s'])}",
-                         f"{fmt_num(p['tokens_per_s'] / p['world_size'])}", fmt_s(p["step_s"]), fmt_pct(p["mfu"]),
+                         fmt_num(p["tokens_per_s"] / p["world_size"]) if p["tokens_per_s"] is not None else "–", fmt_s(p["step_s"]), fmt_pct(p["mfu"]),
                          fmt_pct(p["efficiency"]), g["mode"],
                          html.Span([dcc.Link(n, href=f"/runs/{r}") for r, n in zip(p["runs"][:3], p["run_names"][:3], strict=True)],
                                    className="fs-links")])
     table = simple_table(["configuration", "GPUs", "runs", "tokens/s", "tokens/s/GPU", "step", "MFU", "efficiency", "mode",
                           "runs"], rows, numeric=(1, 2, 3, 4, 5, 6, 7), tid="scaling-points")
-    return F.scaling_throughput_figure(data), F.scaling_efficiency_figure(data), decs, table
+    return (F.scaling_throughput_figure(data), F.scaling_efficiency_figure(data), decs, F.scaling_comm_dims_figure(data),
+            table)
 
 
 clientside_callback(f"function(f) {{ return ({URL_SYNC_JS})([['family', f]]); }}", Output(URL, "data"), Input(FAMILY, "value"))

@@ -3,6 +3,7 @@ figures (``runs.figures``) as the run summary."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ from ..analysis.scaling import scaling as _scaling
 from ..downsample import minmax_series
 from ..store import alerts, steps
 from ..store import runs as run_store
-from .pages import ranking_from_shares
+from .pages import comm_by_dim_of_runs, ranking_from_shares
 from .runs import figures, with_figures
 
 __all__ = ["fleet_rows", "families", "run_options", "compare_runs", "compare_view", "scaling", "scaling_view"]
@@ -60,8 +61,8 @@ def compare_runs(engine: Engine, run_ids: Sequence[int]) -> dict[str, Any]:
 
 
 def compare_view(engine: Engine, run_ids: list[int], *, max_points: int = 400) -> dict[str, Any]:
-    """Runs side by side for the Compare page: normalised metrics, config diff and step-time series
-    aligned by step (min/max reduced)."""
+    """Runs side by side for the Compare page: normalised metrics, config diff, step-time series
+    aligned by step (min/max reduced) and each run's communication by parallel dimension."""
     found = run_store.runs_by_ids(engine, run_ids)
     ordered = [found[i] for i in run_ids if i in found]
     figs = figures(engine, ordered)
@@ -93,7 +94,7 @@ def compare_view(engine: Engine, run_ids: list[int], *, max_points: int = 400) -
             series[r.id] = minmax_series(s.steps, s["step_s"], max_points)
     missing = [i for i in run_ids if i not in found]
     return {"runs": [r.as_dict() for r in ordered], "metrics": metrics, "config": config_rows, "series": series,
-            "missing": missing}
+            "comm_by_dim": comm_by_dim_of_runs(engine, [r.id for r in ordered]), "missing": missing}
 
 
 def scaling(engine: Engine, *, family: str, device_type: str | None = None, signature: str | None = None,
@@ -113,11 +114,23 @@ def _config_label(device: str | None, config: dict[str, Any] | None) -> str:
     return label if len(label) <= 90 else label[:87] + "…"
 
 
+def _median_comm_by_dim(by_run: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """{dim: {exposed_s, total_s}}: the median over runs (that recorded collectives; a run without
+    the dimension counts 0) of each run's per-step figure."""
+    runs = [b for b in by_run if b]
+    dims = list(dict.fromkeys(d for b in runs for d in b))
+    return {d: {k: float(statistics.median((b.get(d) or {}).get(k) or 0.0 for b in runs)) for k in ("exposed_s", "total_s")}
+            for d in dims}
+
+
 def scaling_view(engine: Engine, family: str) -> dict[str, Any]:
     """The Scaling page: per configuration of a family, throughput (measured and ideal), efficiency,
-    and the seconds of each component of the median step, against world size."""
+    the seconds of each component of the median step, and exposed/total communication per parallel
+    dimension (``comm_by_dim``, median over the runs of a size), against world size."""
     configs = []
-    for g in scaling(engine, family=family)["groups"]:
+    groups = scaling(engine, family=family)["groups"]
+    by_dim = comm_by_dim_of_runs(engine, sorted({r for g in groups for p in g["points"] for r in p["runs"]}))
+    for g in groups:
         pts = []
         for p in g["points"]:
             step = p.get("step_s")
@@ -126,7 +139,8 @@ def scaling_view(engine: Engine, family: str) -> dict[str, Any]:
             pts.append({"world_size": p["world_size"], "runs": p["runs"], "run_names": p["run_names"],
                         "tokens_per_s": p.get("throughput_tokens_per_s"),
                         "ideal_tokens_per_s": p.get("ideal_throughput_tokens_per_s"),
-                        "efficiency": p.get("efficiency"), "step_s": step, "mfu": p.get("mfu"), **comp})
+                        "efficiency": p.get("efficiency"), "step_s": step, "mfu": p.get("mfu"), **comp,
+                        "comm_by_dim": _median_comm_by_dim([by_dim.get(r) or {} for r in p["runs"]])})
         growth = g.get("growing_component")
         if pts:
             configs.append({"config": _config_label(g.get("device_type"), g.get("config")), "mode": g.get("mode") or "unknown",

@@ -21,7 +21,7 @@ from selenium.webdriver.common.by import By
 from fleetscope.synthetic import RunSpec
 
 RUN_CHARTS = ["run-decomposition", "run-heatmap", "run-stragglers", "run-throughput", "run-memory",
-              "run-collectives", "run-modality"]
+              "run-collectives", "run-comm-dims-chart", "run-modality"]
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +106,9 @@ def test_run_page_shows_report_straggler_node_and_units(browser: Any, fleet: dic
     assert "node0001" in text  # the straggler node is named
     body = browser.find_element(By.TAG_NAME, "body").text
     assert "Fix first:" in body and "UTC" in body and "tokens/s" in body
-    phases = browser.find_element(By.ID, "run-phases").text.lower()  # forward / backward / optimizer, median step
-    assert "compute phases" in phases and "forward / backward / optimizer" in phases
+    phases = browser.find_element(By.ID, "run-phases").text.lower()  # every phase, biggest first, median step
+    assert "compute phases" in phases and all(p in phases for p in ("forward", "backward", "optimizer"))
+    assert phases.index("backward") < phases.index("forward") < phases.index("optimizer")  # synthetic: 0.6 / 0.33 / rest
     heat = browser.execute_script("return document.querySelector('#run-heatmap').textContent")
     assert "Per-rank work time" in heat and "every rank and step (16 × 40)" in heat
     wait_for(browser, "document.getElementById('run-traces') !== null", what="the trace section")

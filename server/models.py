@@ -461,3 +461,18 @@ class RunNodeHealth(Base):
 
 
 __all__ += ["RunNodeHealth"]
+
+
+class RunRankModality(Base):
+    """Per-(run, rank, modality) tokens summed over steps, folded from ``modality_raw`` at compaction
+    (migration 0011; token balance, server/analysis/tokens.py)."""
+
+    __tablename__ = "run_rank_modalities"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    modality: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    steps: Mapped[int] = mapped_column(Integer)  # steps the rank had tokens of this modality
+
+
+__all__ += ["RunRankModality"]

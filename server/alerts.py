@@ -6,6 +6,9 @@ metric): a new detection of the same series updates it instead of raising anothe
 detection never storms. ``dedup_key`` = kind:series:metric:first-bad, unique: a regression a person
 resolved by hand is not raised again; a new regression of the same series later is.
 
+Regression alerts carry ``cause`` and ``diff`` (``analysis.explain``, computed by ``reports.regressions``) in
+their ``details``; the reads show them as top-level keys, with the one-sentence ``explanation``.
+
 ``AlertWorker`` runs detection on a background thread after compaction passes (throttled) and hands
 new and resolved alerts to the notifier — ingest never waits on it and never sees its errors.
 """

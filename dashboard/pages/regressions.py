@@ -32,6 +32,10 @@ def _fmt_val(metric: str | None, v: Any, unit: str | None = None) -> str:
         return "–"
     if metric == "mfu":
         return f"{v * 100:.1f} %"
+    if unit == "B":
+        return f"{v / 2**30:.1f} GiB"
+    if unit == "B/s":
+        return f"{v / 1e9:.1f} GB/s"
     if unit == "s" or (not unit and metric and metric.endswith("_s") and not metric.startswith("tokens")):
         return f"{v * 1e3:.1f} ms" if abs(v) < 1 else f"{v:.2f} s"
     return f"{v:.4g}" + (f" {unit}" if unit else "")

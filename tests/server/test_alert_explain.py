@@ -210,3 +210,19 @@ def test_the_slack_sentence_escapes_config_keys_values_and_commits() -> None:
                           "mostly dim &lt;!everyone&gt; all_reduce); changed: config.&lt;!channel&gt; &lt;@U1&gt; → x")
     # the generic webhook gets the sentence unescaped (JSON, not mrkdwn)
     assert "config.<!channel> <@U1> → x" in webhook_payload(alert, "fired")["explanation"]
+
+
+def test_a_step_time_shift_within_a_run_names_its_component(live_server: Any) -> None:
+    from analysis_util import scale_rows
+
+    # from step 50 on, every rank's compute (and so its step) is 1.25x: a restart onto slower GPUs
+    rid = load(live_server, RunSpec(name="restart", family="vit-h", world_size=4, steps=80),
+               transform=scale_rows(1.25, 50), collectives=False)
+    live_server.state.alerts.poke(runs=[rid])
+    live_server.state.alerts.run_once()
+    (a,) = httpx.get(f"{live_server.url}/api/v1/alerts", params={"kind": "step_time_shift"}).json()["alerts"]
+    c = a["cause"]
+    # the transform scales step_s and compute_s by 1.25: Δstep = 0.25 step, Δcompute = 0.25 compute
+    assert c["component"] == "compute_s" and c["share_of_change"] == pytest.approx(c["before"] / c["step_before"], rel=0.02)
+    assert c["after"] / c["before"] == pytest.approx(1.25, rel=0.02) and a["diff"] is None
+    assert a["explanation"].startswith("step time +25 % (") and f"compute explains {100 * c['share_of_change']:.0f} % of it" in a["explanation"]

@@ -11,10 +11,12 @@ run, and its per-node rows are stored in ``run_node_health`` at the same time.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from ..analysis.network import NetworkHealth, network_health, node_health_rows, summary_network
 from ..store import nodes as node_store
@@ -23,6 +25,8 @@ from ..store.rows import RunRow
 from . import _cache
 
 __all__ = ["run_network", "sample_plan", "SAMPLE_STEPS", "SAMPLE_RECORDS", "MIN_SAMPLE_STEPS"]
+
+log = logging.getLogger(__name__)
 
 SAMPLE_STEPS = 200
 SAMPLE_RECORDS = 262_144
@@ -53,7 +57,10 @@ def run_network(engine: Engine, run: RunRow, stragglers: dict[str, Any] | None) 
 
     def compute() -> dict[str, Any]:
         h, hosts, src = _health(engine, run)
-        save_health(engine, run, h, hosts, stragglers, measured=src is not None)
+        try:
+            save_health(engine, run, h, hosts, stragglers, measured=src is not None)
+        except SQLAlchemyError:  # the node history is kept best-effort: the summary never fails for it
+            log.warning("run %s: node health rows not saved", run.id, exc_info=True)
         return summary_network(h, source=src)
 
     return _cache.cached("network", engine, run, compute)

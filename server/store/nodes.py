@@ -41,14 +41,19 @@ def sampled_comm_blocks(engine: Engine, run_id: int, *, stride: int, limit: int)
     return [(int(s), decode_block(COLL_BLOCK_FIELDS, bytes(b))) for s, b in rows[::-1]]
 
 
+_LOCK_KEY = 727277  # with the run id: pg_advisory_xact_lock(key, run_id) around a run's rows
 _COLS = ("node", "ranks", "straggler_ranks", "slow_ranks", "slow_network", "busbw_ratio", "latency_ratio")
 
 
 def save_node_health(engine: Engine, run_id: int, rank_steps: int, status: str, rows: Sequence[dict[str, Any]]) -> None:
     """Replace the run's ``run_node_health`` rows (one per node: ``_COLS``) computed at the run's
-    ``rank_steps`` / ``status``; ``seen_at`` is the run's last activity."""
+    ``rank_steps`` / ``status``; ``seen_at`` is the run's last activity. An upsert, so two readers
+    computing the same run at once both succeed: one after the other, under the run's advisory lock
+    (concurrent multi-row upserts of the same keys would deadlock)."""
     with engine.begin() as c:
-        c.execute(text("DELETE FROM run_node_health WHERE run_id = :r"), {"r": run_id})
+        c.execute(text("SELECT pg_advisory_xact_lock(:k, :r)"), {"k": _LOCK_KEY, "r": run_id})
+        c.execute(text("DELETE FROM run_node_health WHERE run_id = :r AND NOT (node = ANY(:nodes))"),
+                  {"r": run_id, "nodes": [row["node"] for row in rows]})
         if rows:
             c.execute(
                 text(
@@ -56,7 +61,12 @@ def save_node_health(engine: Engine, run_id: int, rank_steps: int, status: str, 
                     "busbw_ratio, latency_ratio, rank_steps, status, seen_at) "
                     "SELECT :r, :node, :ranks, :straggler_ranks, :slow_ranks, :slow_network, :busbw_ratio, "
                     ":latency_ratio, :rank_steps, :status, coalesce(last_seen_at, finished_at, started_at) "
-                    "FROM runs WHERE id = :r"
+                    "FROM runs WHERE id = :r "
+                    "ON CONFLICT (run_id, node) DO UPDATE SET ranks = excluded.ranks, "
+                    "straggler_ranks = excluded.straggler_ranks, slow_ranks = excluded.slow_ranks, "
+                    "slow_network = excluded.slow_network, busbw_ratio = excluded.busbw_ratio, "
+                    "latency_ratio = excluded.latency_ratio, rank_steps = excluded.rank_steps, "
+                    "status = excluded.status, seen_at = excluded.seen_at, computed_at = now()"
                 ),
                 [{"r": run_id, "rank_steps": rank_steps, "status": status, **{k: row[k] for k in _COLS}} for row in rows],
             )
@@ -66,6 +76,7 @@ def touch_node_health(engine: Engine, run_id: int, rank_steps: int, status: str)
     """Mark the run's stored rows as current for ``rank_steps`` / ``status`` without changing their
     figures (the run's blocks were removed since: what was measured stays); rows updated."""
     with engine.begin() as c:
+        c.execute(text("SELECT pg_advisory_xact_lock(:k, :r)"), {"k": _LOCK_KEY, "r": run_id})
         return int(c.execute(
             text("UPDATE run_node_health SET rank_steps = :s, status = :st, computed_at = now() WHERE run_id = :r"),
             {"r": run_id, "s": rank_steps, "st": status}).rowcount or 0)

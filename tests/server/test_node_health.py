@@ -117,3 +117,36 @@ def test_bad_input_is_refused_naming_the_field(live_server: Any) -> None:
     assert net["slow_ranks"] == [] and net["slow_nodes"] == [] and net["ranks_measured"] == 0 and net["source"] is None
     (n,) = httpx.get(f"{live_server.url}/api/v1/nodes").json()["nodes"]
     assert n["node"] == "node0000" and n["runs"] == 1 and n["busbw_ratio_median"] is None and n["slowed_runs"] == 0
+
+
+def test_readers_saving_the_same_runs_rows_at_once_all_succeed(live_server: Any) -> None:
+    import threading
+
+    from fleetscope.server.store import nodes as node_store
+
+    rid = load(live_server, RunSpec(name="race", family="vit-h", world_size=8, steps=3, gpus_per_node=2))
+    eng = live_server.state.engine
+    rows = [{"node": f"node{k:04d}", "ranks": 2, "straggler_ranks": 0, "slow_ranks": k % 2, "slow_network": k == 1,
+             "busbw_ratio": 1.0 - k / 10, "latency_ratio": 1.0} for k in range(4)]
+    barrier = threading.Barrier(6)
+    errors: list[BaseException] = []
+
+    def save(i: int) -> None:
+        try:
+            barrier.wait()
+            for _ in range(10):
+                node_store.save_node_health(eng, rid, 24, "running", rows[: 2 + (i % 3)])
+        except BaseException as e:  # noqa: BLE001 - collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    node_store.save_node_health(eng, rid, 24, "running", rows[:3])  # a node no longer in the run is dropped
+    with eng.connect() as c:
+        got = c.execute(text("SELECT node, slow_network FROM run_node_health WHERE run_id = :r ORDER BY node"),
+                        {"r": rid}).fetchall()
+    assert [tuple(g) for g in got] == [("node0000", False), ("node0001", True), ("node0002", False)]

@@ -13,7 +13,8 @@ from typing import Annotated, Optional
 
 import typer
 
-__all__ = ["simulate", "parse_straggler", "parse_slow_node", "parse_shift", "parse_config_json", "run_simulation"]
+__all__ = ["simulate", "parse_straggler", "parse_slow_node", "parse_shift", "parse_config_json", "parse_token_skew",
+           "run_simulation"]
 
 
 def parse_straggler(value: str | None) -> dict[int, float]:
@@ -76,6 +77,26 @@ def parse_shift(value: str | None) -> dict[str, float]:
     return out
 
 
+def parse_token_skew(value: str | None) -> dict[int, float]:
+    """``"RANK=FACTOR"``, several comma-separated (e.g. ``37=1.4``) → {rank: factor}: that rank gets FACTOR×
+    the tokens (of ``--skew-modality`` only, when given) and does the work they need."""
+    import math
+
+    out: dict[int, float] = {}
+    for part in (value or "").split(","):
+        if not part.strip():
+            continue
+        rank_s, sep, factor_s = part.strip().partition("=")
+        try:
+            rank, factor = int(rank_s), float(factor_s)
+        except ValueError:
+            rank, factor = -1, float("nan")
+        if not sep or rank < 0 or not math.isfinite(factor) or factor <= 0:
+            raise typer.BadParameter(f"--token-skew expects RANK=FACTOR with RANK >= 0 and FACTOR > 0, got {part.strip()!r}")
+        out[rank] = factor
+    return out
+
+
 def parse_config_json(value: str | None) -> dict | None:
     """``--config-json``: a JSON object laid over the synthetic run's config (None when not given)."""
     import json
@@ -110,15 +131,20 @@ def run_simulation(
     shift: dict[str, float] | None = None,
     config: dict | None = None,
     git_commit: str | None = None,
+    token_skew: dict[int, float] | None = None,
+    skew_modality: str | None = None,
+    modality_tokens: bool = False,
 ) -> dict:
     """Send the run; returns the transport's counters. Raises RuntimeError if anything was lost."""
     from fleetscope.agent.config import AgentConfig
     from fleetscope.agent.transport import Transport
 
-    from .synthetic import RunSpec, collective_rows, rank_step_rows
+    from .synthetic import RunSpec, collective_rows, modality_rows, rank_step_rows
 
     spec = RunSpec(name=run, family=family, world_size=ranks, steps=steps, seed=seed, straggler=straggler or {},
-                   gpu=gpu, step_ms=step_ms, shift=shift or {}, config=config, git_commit=git_commit)
+                   gpu=gpu, step_ms=step_ms, shift=shift or {}, config=config, git_commit=git_commit,
+                   token_skew=token_skew or {}, token_skew_modality=skew_modality)
+    send_modalities = modality_tokens or bool(token_skew)
     spec.slow_nodes = slow_nodes or {}
     if realtime:
         spec.start_ts = time.time()
@@ -137,6 +163,9 @@ def run_simulation(
             tr.submit("rank_step", row)
         for c in collective_rows(spec, step, rows):
             tr.submit("collective", c)
+        if send_modalities:  # per-rank tokens by modality (--modality-tokens, implied by --token-skew)
+            for m in modality_rows(spec, step, rows):
+                tr.submit("modality_tokens", m)
         pending += 5 * len(rows)
         if realtime:
             due = t0 + (step + 1) * (step_ms or 1000.0) / 1e3
@@ -173,6 +202,12 @@ def simulate(
     config_json: Annotated[Optional[str], typer.Option(
         "--config-json", help="JSON object laid over the run's config, e.g. '{\"fsdp\": {\"prefetch\": false}}'")] = None,
     commit: Annotated[Optional[str], typer.Option("--commit", help="git commit recorded for the run")] = None,
+    token_skew: Annotated[Optional[str], typer.Option(
+        "--token-skew", help="RANK=FACTOR[,...]: that rank gets FACTOR× the tokens and the work (e.g. 37=1.4)")] = None,
+    skew_modality: Annotated[Optional[str], typer.Option(
+        "--skew-modality", help="skew only this modality's tokens (e.g. vision; one of the family's)")] = None,
+    modality_tokens: Annotated[bool, typer.Option(
+        "--modality-tokens", help="send per-rank tokens by modality (implied by --token-skew)")] = False,
 ) -> None:
     """Send one synthetic run through the real agent transport (same code path as a training job)."""
     import logging
@@ -193,13 +228,24 @@ def simulate(
             raise typer.BadParameter(f"--slow-node {unknown[0]!r} is not a node of this run ({probe.host_of(0)} … "
                                      f"{probe.host_of(ranks - 1)}, {probe.gpus_per_node} ranks per node)")
     shifts = parse_shift(shift)
+    skew = parse_token_skew(token_skew)
+    if skew and max(skew) >= ranks:
+        raise typer.BadParameter(f"--token-skew rank {max(skew)} is not < --ranks {ranks}")
+    if skew_modality is not None:
+        from .synthetic import FAMILIES
+
+        mods = FAMILIES[family].modalities if family in FAMILIES else ()
+        if skew_modality not in mods:
+            raise typer.BadParameter(f"--skew-modality {skew_modality!r} is not a modality of {family} "
+                                     f"({', '.join(mods) or 'unknown family'})")
     cfg = parse_config_json(config_json)
     if commit is not None and not 0 < len(commit) <= 64:
         raise typer.BadParameter(f"--commit must be 1-64 characters, got {len(commit)}")
     try:
         stats = run_simulation(server=server, token=token, run=run, family=family, ranks=ranks, steps=steps,
                                seed=seed, straggler=strag, gpu=gpu, step_ms=step_ms, realtime=realtime,
-                               shift=shifts, config=cfg, git_commit=commit, slow_nodes=slow_nodes)
+                               shift=shifts, config=cfg, git_commit=commit, slow_nodes=slow_nodes,
+                               token_skew=skew, skew_modality=skew_modality, modality_tokens=modality_tokens)
     except RuntimeError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None

@@ -19,7 +19,7 @@ from typing import Any
 from .wire import RANK_STEP_FIELDS
 
 __all__ = ["Family", "FAMILIES", "RunSpec", "rank_step_rows", "collective_rows", "PEAK_FLOPS", "SHIFT_COMPONENTS",
-           "merge_config"]
+           "merge_config", "modality_shares", "token_factor", "modality_rows"]
 
 #: dense bf16 peak FLOP/s per device (docs/metrics.md; vendor datasheets)
 PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2.25e15, "MI300X": 1307e12}
@@ -78,6 +78,10 @@ class RunSpec:
     #: is communication that was not hidden (``comm_total_s`` grows by the same seconds)
     shift: dict[str, float] = field(default_factory=dict)
     config: dict[str, Any] | None = None  # laid over the synthetic config (``merge_config``)
+    #: rank -> factor: the rank gets FACTOR× the tokens (of ``token_skew_modality`` only, when set) and its
+    #: compute and FLOPs grow with them (a data loader that balances samples, not tokens)
+    token_skew: dict[int, float] = field(default_factory=dict)
+    token_skew_modality: str | None = None
     git_commit: str | None = None
 
     def host_of(self, rank: int) -> str:
@@ -117,6 +121,11 @@ def _base(spec: RunSpec) -> dict[str, float]:
     bad = sorted(set(spec.shift) - set(SHIFT_COMPONENTS))
     if bad or any(not (math.isfinite(f) and f > 0) for f in spec.shift.values()):
         raise ValueError(f"shift: components must be {', '.join(SHIFT_COMPONENTS)} with a factor > 0, got {spec.shift}")
+    if any(not (0 <= r < spec.world_size and math.isfinite(f) and f > 0) for r, f in spec.token_skew.items()):
+        raise ValueError(f"token_skew: ranks must be in [0, {spec.world_size}) with a factor > 0, got {spec.token_skew}")
+    if spec.token_skew_modality is not None and spec.token_skew_modality not in fam.modalities:
+        raise ValueError(f"token_skew_modality: {spec.token_skew_modality!r} is not a modality of {spec.family} "
+                         f"({', '.join(fam.modalities)})")
     compute = spec.flops_per_rank_step() / (spec.peak_flops * fam.base_mfu)
     n = spec.world_size
     # ring all-reduce of the gradients: 2(n-1)/n * bytes / busbw; inter-node bandwidth is lower
@@ -141,6 +150,41 @@ def _base(spec: RunSpec) -> dict[str, float]:
     }
 
 
+def modality_shares(fam: Family) -> dict[str, float]:
+    """Each modality's share of a sample's tokens: the first 0.7, the others the rest equally."""
+    mods = fam.modalities
+    if len(mods) == 1:
+        return {mods[0]: 1.0}
+    return {m: 0.7 if i == 0 else 0.3 / (len(mods) - 1) for i, m in enumerate(mods)}
+
+
+def token_factor(spec: RunSpec, rank: int) -> float:
+    """How many times the usual tokens (and work) ``rank`` gets under ``spec.token_skew``."""
+    skew = spec.token_skew.get(rank, 1.0)
+    if skew == 1.0:
+        return 1.0
+    share = modality_shares(spec.fam).get(spec.token_skew_modality, 0.0) if spec.token_skew_modality else 1.0
+    return 1.0 + share * (skew - 1.0)
+
+
+def modality_rows(spec: RunSpec, step: int, rank_rows: list[tuple]) -> list[tuple]:
+    """Per-modality tokens of each rank of a step (wire.MODALITY_FIELDS order) summing to its ``tokens``;
+    the skewed modality of a ``token_skew`` rank carries the extra tokens."""
+    i_tok = [f.name for f in RANK_STEP_FIELDS].index("tokens")
+    shares = modality_shares(spec.fam)
+    out = []
+    for row in rank_rows:
+        r, tokens = row[0], row[i_tok]
+        skew = spec.token_skew.get(r, 1.0)
+        base = tokens / token_factor(spec, r)
+        parts = {m: base * s * (skew if spec.token_skew_modality in (None, m) else 1.0) for m, s in shares.items()}
+        names = list(parts)
+        vals = [int(parts[m]) for m in names[:-1]]
+        vals.append(tokens - sum(vals))
+        out += [(r, step, m, v) for m, v in zip(names, vals, strict=True)]
+    return out
+
+
 def rank_step_rows(spec: RunSpec, step_lo: int = 0, step_hi: int | None = None) -> Iterator[tuple[int, list[tuple]]]:
     """Yield (step, rows) with one tuple per rank in wire.RANK_STEP_FIELDS order."""
     b = _base(spec)
@@ -155,7 +199,7 @@ def rank_step_rows(spec: RunSpec, step_lo: int = 0, step_hi: int | None = None) 
         work = []
         parts = []
         for r in range(spec.world_size):
-            f = spec.straggler.get(r, 1.0)
+            f = spec.straggler.get(r, 1.0) * token_factor(spec, r)
             compute = b["compute"] * step_jitter * rng.lognormvariate(0, 0.01) * f
             data = b["data"] * rng.lognormvariate(0, 0.3)
             other = b["other"] * rng.lognormvariate(0, 0.1)
@@ -177,7 +221,8 @@ def rank_step_rows(spec: RunSpec, step_lo: int = 0, step_hi: int | None = None) 
                 net = spec.slow_nodes.get(spec.host_of(r), 1.0)
                 exposed, total_r = exposed * net, total_r * net
             step_s = data + compute + other + exposed
-            padded = fam.tokens_per_rank_step
+            tf = token_factor(spec, r)
+            padded = int(fam.tokens_per_rank_step * tf)
             tokens = int(padded * (0.86 + 0.1 * rng.random()))
             rec = {
                 "rank": r,
@@ -195,7 +240,7 @@ def rank_step_rows(spec: RunSpec, step_lo: int = 0, step_hi: int | None = None) 
                 "tokens": tokens,
                 "padded_tokens": padded,
                 "samples": max(1, padded // 2048),
-                "flops": flops * tokens / padded,
+                "flops": flops * tf * tokens / padded,
                 "mem_allocated_bytes": int(60e9 + 1e9 * rng.random()) // 512 * 512,
                 "mem_reserved_bytes": int(72e9) // 512 * 512,
                 "mem_peak_bytes": int(66e9 + 2e9 * rng.random()) // 512 * 512,

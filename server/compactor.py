@@ -430,6 +430,7 @@ class Compactor:
         keys = list(agg)
         existing = {k: set(ranks_of(bits).tolist()) for k, bits in store.modality_ranks(cur, keys, kind).items()}
         rows = []
+        per_rank_sums: dict[tuple[int, int, str], list[int]] = {}  # (run, rank, modality) -> [tokens, steps]
         for key, per_rank in agg.items():
             have = existing.get(key, set())
             add = {r: t for r, t in per_rank.items() if r not in have}
@@ -437,7 +438,14 @@ class Compactor:
                 continue
             all_ranks = np.array(sorted(have | set(add)))
             rows.append((key[0], key[1], key[2], sum(add.values()), bits_of(all_ranks)))
+            if kind == "modality":  # the same ranks, once each, per rank (token balance)
+                for r, t in add.items():
+                    s = per_rank_sums.setdefault((key[0], r, key[2]), [0, 0])
+                    s[0] += t
+                    s[1] += 1
         store.upsert_modalities(cur, rows, kind)
+        if per_rank_sums:
+            store.upsert_rank_modalities(cur, [(*k, v[0], v[1]) for k, v in per_rank_sums.items()])
 
 
 _P2P_OPS = np.array([OP_CODE["send"], OP_CODE["recv"]])

@@ -33,6 +33,7 @@ from ..store.compile import load_compile
 from ..store.rows import RankRollups, RunRow
 from . import _cache
 from .network import run_network
+from .tokens import run_token_balance
 
 __all__ = [
     "get_run",
@@ -175,6 +176,7 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
         "stragglers": summary_stragglers(_stragglers(engine, run, fig)),
         "bottlenecks": summary_bottlenecks(_bottlenecks(engine, run, fig)),
         "compile": run_compile(engine, run.id),  # read fresh: events land after the steps
+        "token_balance": run_token_balance(engine, run),
         "network": run_network(engine, run, _stragglers(engine, run, fig)),
         **par,
     }

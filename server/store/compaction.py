@@ -25,6 +25,7 @@ __all__ = [
     "take_modalities",
     "modality_ranks",
     "upsert_modalities",
+    "upsert_rank_modalities",
     "STEP_COLUMNS",
     "write_steps",
     "upsert_run_collectives",
@@ -171,6 +172,16 @@ def upsert_modalities(cur: Any, rows: Sequence[tuple[int, int, str, Any, str]], 
         f"INSERT INTO {table} (run_id, step, {name}, {value}, ranks) VALUES (%s, %s, %s, %s, %s::varbit) "
         f"ON CONFLICT (run_id, step, {name}) DO UPDATE SET {value} = {table}.{value} + excluded.{value}, "
         "ranks = excluded.ranks",
+        rows,
+    )
+
+
+def upsert_rank_modalities(cur: Any, rows: Sequence[tuple[int, int, str, int, int]]) -> None:
+    """Add (run_id, rank, modality, tokens, steps) to ``run_rank_modalities``."""
+    cur.executemany(
+        "INSERT INTO run_rank_modalities (run_id, rank, modality, tokens, steps) VALUES (%s, %s, %s, %s, %s) "
+        "ON CONFLICT (run_id, rank, modality) DO UPDATE SET tokens = run_rank_modalities.tokens + excluded.tokens, "
+        "steps = run_rank_modalities.steps + excluded.steps",
         rows,
     )
 

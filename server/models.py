@@ -394,15 +394,25 @@ __all__ += ["RankRollup", "RankWindow", "RunStat"]
 # --- kernel hotspots (migration 0009; server/analysis/kernels.py) ----------------------------------
 
 
+class RunKernelName(Base):
+    """A run's kernel names, once each (migration 0012): at most ``analysis.kernels.MAX_NAMES`` plus the
+    per-category "other" rows."""
+
+    __tablename__ = "run_kernel_names"
+    __table_args__ = (UniqueConstraint("run_id", "name"),)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    name: Mapped[str] = mapped_column(String(512))
+    category: Mapped[str] = mapped_column(String(16))
+
+
 class RunKernel(Base):
-    """Per-(run, rank, kernel) sums over the rank's sampled trace windows; at most
-    ``analysis.kernels.MAX_NAMES`` names per run (later ones are summed into their category's other row)."""
+    """Per-(run, rank, kernel name id) sums over the rank's sampled trace windows."""
 
     __tablename__ = "run_kernels"
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(512), primary_key=True)
-    category: Mapped[str] = mapped_column(String(16))
+    name_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)  # run_kernel_names.id
     time_us: Mapped[float] = mapped_column(Double)  # summed kernel time over the windows
     launches: Mapped[int] = mapped_column(BigInteger)
     windows: Mapped[int] = mapped_column(Integer)  # windows the kernel appears in
@@ -432,7 +442,7 @@ class RunKernelWindow(Base):
     seq: Mapped[int] = mapped_column(Integer, primary_key=True)
 
 
-__all__ += ["RunKernel", "RunKernelRank", "RunKernelWindow"]
+__all__ += ["RunKernelName", "RunKernel", "RunKernelRank", "RunKernelWindow"]
 
 
 # --- node health (migration 0010; server/analysis/network.py, server/reports/network.py) ----------

@@ -1,5 +1,7 @@
-"""Kernel hotspots: the ``run_kernels`` / ``run_kernel_ranks`` / ``run_kernel_windows`` tables
-(migration 0009) that the agent's ``trace_summary`` events are folded into, and the reads of the report.
+"""Kernel hotspots: the ``run_kernel_names`` / ``run_kernels`` / ``run_kernel_ranks`` /
+``run_kernel_windows`` tables (migrations 0009, 0012) that the agent's ``trace_summary`` events are
+folded into, and the reads of the report. Kernel names are stored once per run (``run_kernel_names``,
+with their category) and referred to by id.
 
 The fold (``fold_new_windows``) runs when the report is read: under the run's transaction-level
 advisory lock it takes the trace windows not folded yet (a bounded chunk at a time), hands them with the
@@ -64,12 +66,13 @@ def fold_new_windows(engine: Engine, run_id: int, fold: Fold, *, chunk: int = 50
                     "first_step = excluded.first_step, last_step = excluded.last_step",
                     [(run_id, r, *v) for r, v in new_ranks.items()],
                 )
-            krows = [(run_id, r, name, *v) for r, ks in new_kernels.items() for name, v in ks.items()]
+            ids = _name_ids(cur, run_id, {n: v[0] for ks in new_kernels.values() for n, v in ks.items()})
+            krows = [(run_id, r, ids[name], *v[1:]) for r, ks in new_kernels.items() for name, v in ks.items()]
             if krows:
                 cur.executemany(
-                    "INSERT INTO run_kernels (run_id, rank, name, category, time_us, launches, windows, first_us, last_us) "
-                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id, rank, name) DO UPDATE SET "
-                    "category = excluded.category, time_us = excluded.time_us, launches = excluded.launches, "
+                    "INSERT INTO run_kernels (run_id, rank, name_id, time_us, launches, windows, first_us, last_us) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id, rank, name_id) DO UPDATE SET "
+                    "time_us = excluded.time_us, launches = excluded.launches, "
                     "windows = excluded.windows, first_us = excluded.first_us, last_us = excluded.last_us",
                     krows,
                 )
@@ -81,16 +84,32 @@ def fold_new_windows(engine: Engine, run_id: int, fold: Fold, *, chunk: int = 50
     return done
 
 
+def _name_ids(cur: Any, run_id: int, names: dict[str, str]) -> dict[str, int]:
+    """{name: id} of these names (with their categories), adding the ones the run does not have yet
+    (under the fold's lock: ids are the next free ones)."""
+    have = {n: int(i) for i, n in cur.execute(
+        "SELECT id, name FROM run_kernel_names WHERE run_id = %s AND name = ANY(%s)", (run_id, list(names))).fetchall()}
+    new = [n for n in names if n not in have]
+    if new:
+        nxt = int(cur.execute("SELECT coalesce(max(id), 0) + 1 FROM run_kernel_names WHERE run_id = %s",
+                              (run_id,)).fetchone()[0])
+        rows = [(run_id, nxt + i, n, names[n]) for i, n in enumerate(new)]
+        cur.executemany("INSERT INTO run_kernel_names (run_id, id, name, category) VALUES (%s, %s, %s, %s)", rows)
+        have.update({n: i for _, i, n, _ in rows})
+    return have
+
+
 def _load_state(cur: Any, run_id: int, ranks: Sequence[int]) -> StoredState:
     rank_rows = {int(r): (int(w), int(s), float(us), int(f), int(la)) for r, w, s, us, f, la in cur.execute(
         "SELECT rank, windows, steps, kernel_us, first_step, last_step FROM run_kernel_ranks "
         "WHERE run_id = %s AND rank = ANY(%s)", (run_id, list(ranks))).fetchall()}
     kernels: dict[int, dict[str, tuple[str, float, int, int, float, float]]] = {}
     for r, name, cat, us, n, w, f_us, l_us in cur.execute(
-            "SELECT rank, name, category, time_us, launches, windows, first_us, last_us FROM run_kernels "
-            "WHERE run_id = %s AND rank = ANY(%s)", (run_id, list(ranks))).fetchall():
+            "SELECT k.rank, n.name, n.category, k.time_us, k.launches, k.windows, k.first_us, k.last_us "
+            "FROM run_kernels k JOIN run_kernel_names n ON n.run_id = k.run_id AND n.id = k.name_id "
+            "WHERE k.run_id = %s AND k.rank = ANY(%s)", (run_id, list(ranks))).fetchall():
         kernels.setdefault(int(r), {})[name] = (cat, float(us), int(n), int(w), float(f_us), float(l_us))
-    names = {n for (n,) in cur.execute("SELECT DISTINCT name FROM run_kernels WHERE run_id = %s", (run_id,)).fetchall()}
+    names = {n for (n,) in cur.execute("SELECT name FROM run_kernel_names WHERE run_id = %s", (run_id,)).fetchall()}
     return rank_rows, kernels, names
 
 
@@ -106,7 +125,8 @@ def kernel_totals(engine: Engine, run_id: int) -> list[tuple[str, str, float, in
     """(name, category, µs, launches) of every kept kernel name, summed over ranks."""
     with raw_connection(engine) as conn, conn.cursor() as cur:
         return [(n, c, float(us), int(k)) for n, c, us, k in cur.execute(
-            "SELECT name, min(category), sum(time_us), sum(launches) FROM run_kernels WHERE run_id = %s GROUP BY name",
+            "SELECT n.name, n.category, sum(k.time_us), sum(k.launches) FROM run_kernels k JOIN run_kernel_names n "
+            "ON n.run_id = k.run_id AND n.id = k.name_id WHERE k.run_id = %s GROUP BY n.name, n.category",
             (run_id,)).fetchall()]
 
 
@@ -116,5 +136,6 @@ def kernel_rows(engine: Engine, run_id: int, names: Sequence[str]) -> list[tuple
         return []
     with raw_connection(engine) as conn, conn.cursor() as cur:
         return [(n, int(r), float(us), float(f), float(la)) for n, r, us, f, la in cur.execute(
-            "SELECT name, rank, time_us, first_us, last_us FROM run_kernels WHERE run_id = %s AND name = ANY(%s)",
+            "SELECT n.name, k.rank, k.time_us, k.first_us, k.last_us FROM run_kernels k JOIN run_kernel_names n "
+            "ON n.run_id = k.run_id AND n.id = k.name_id WHERE k.run_id = %s AND n.name = ANY(%s)",
             (run_id, list(names))).fetchall()]

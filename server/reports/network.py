@@ -4,9 +4,10 @@ for the node history (``reports.nodes``, ``GET /api/v1/nodes``).
 Cost: the network health is computed from the collective blocks of a **sample of the run's steps**
 — at most ``SAMPLE_STEPS`` steps, fewer when a step holds many records (about ``SAMPLE_RECORDS``
 records in all, never fewer than ``MIN_SAMPLE_STEPS`` steps), spread evenly over the run (every
-k-th step, the latest ones) — so a cold computation is bounded whatever the run's length (about
-0.1–0.3 s on 1,024 ranks); it is cached per process by the run's version like every report of a
-run, and its per-node rows are stored in ``run_node_health`` at the same time.
+k-th of its compacted steps counted from the latest, which is always in) — so a cold computation
+is bounded whatever the run's length (about 0.1–0.3 s on 1,024 ranks); it is cached per process by
+the run's version like every report of a run, and its per-node rows are stored in
+``run_node_health`` at the same time.
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ MIN_SAMPLE_STEPS = 16
 
 
 def sample_plan(run: RunRow) -> tuple[int, int]:
-    """(stride, steps): every ``stride``-th step of the run, the latest ``steps`` of them."""
+    """(stride, steps): every ``stride``-th of the run's compacted steps from the latest, ``steps`` of them."""
     per_step = run.collective_records / max(run.steps, 1)
     n = int(min(SAMPLE_STEPS, max(MIN_SAMPLE_STEPS, SAMPLE_RECORDS // max(per_step, 1.0))))
-    span = (run.last_step if run.last_step is not None else run.steps - 1) + 1
-    return max(1, math.ceil(span / n)), n
+    return max(1, math.ceil(run.steps / n)), n
 
 
 def _health(engine: Engine, run: RunRow) -> tuple[NetworkHealth, dict[int, tuple[str | None, str | None]], str | None]:

@@ -29,12 +29,15 @@ __all__ = [
 
 
 def sampled_comm_blocks(engine: Engine, run_id: int, *, stride: int, limit: int) -> list[tuple[int, dict[str, np.ndarray]]]:
-    """Decoded collective blocks of the run's compacted steps whose number is divisible by ``stride``,
-    the latest ``limit`` of them, in step order (binary protocol: bytea arrives as bytes)."""
+    """Decoded collective blocks of every ``stride``-th of the run's compacted steps that have one,
+    counted from the latest (which is always in), at most ``limit`` of them, in step order. By position,
+    not by step number, so sparse step numbers sample as well (binary protocol: bytea arrives as bytes;
+    the blocks of the steps not taken are never read)."""
     with raw_connection(engine) as conn, conn.cursor(binary=True) as cur:
         cur.execute(
-            "SELECT step, coll_block FROM steps WHERE run_id = %s AND n_ranks > 0 AND coll_block IS NOT NULL "
-            "AND step %% %s = 0 ORDER BY step DESC LIMIT %s",
+            "SELECT step, coll_block FROM (SELECT step, coll_block, row_number() OVER (ORDER BY step DESC) AS rn "
+            "FROM steps WHERE run_id = %s AND n_ranks > 0 AND coll_block IS NOT NULL) t "
+            "WHERE (rn - 1) %% %s = 0 ORDER BY step DESC LIMIT %s",
             (run_id, max(int(stride), 1), max(int(limit), 0)),
         )
         rows = cur.fetchall()

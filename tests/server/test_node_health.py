@@ -150,3 +150,28 @@ def test_readers_saving_the_same_runs_rows_at_once_all_succeed(live_server: Any)
         got = c.execute(text("SELECT node, slow_network FROM run_node_health WHERE run_id = :r ORDER BY node"),
                         {"r": rid}).fetchall()
     assert [tuple(g) for g in got] == [("node0000", False), ("node0001", True), ("node0002", False)]
+
+
+def test_the_sample_is_every_kth_compacted_step_from_the_latest_whatever_the_step_numbers(live_server: Any) -> None:
+    """Odd step numbers only (1, 3, …, 499) and a stride of 2: every other stored step, the latest in."""
+    from analysis_util import field_index
+    from fleetscope.server.reports.network import sample_plan
+    from fleetscope.server.store import nodes as node_store
+    from fleetscope.server.store import runs as run_store
+
+    i_step = field_index("step")
+
+    def odd(step: int, rows: list[tuple]) -> list[tuple]:
+        return [r[:i_step] + (2 * step + 1,) + r[i_step + 1:] for r in rows]
+
+    def odd_coll(step: int, rows: list[tuple]) -> list[tuple]:
+        return [r[:1] + (2 * step + 1,) + r[2:] for r in rows]
+
+    rid = load(live_server, RunSpec(name="odd", family="vit-h", world_size=8, steps=250, gpus_per_node=2,
+                                    slow_nodes={"node0001": 2.0}), transform=odd, coll_transform=odd_coll)
+    run = run_store.get_run(live_server.state.engine, rid, pending=False)
+    assert run is not None and run.steps == 250 and sample_plan(run) == (2, 200)
+    blocks = node_store.sampled_comm_blocks(live_server.state.engine, rid, stride=2, limit=200)
+    assert [s for s, _ in blocks] == list(range(3, 500, 4))
+    net = _summary(live_server, rid)["network"]
+    assert net["source"] == "125 steps sampled (every 2)" and [n["node"] for n in net["slow_nodes"]] == ["node0001"]

@@ -30,14 +30,12 @@ import os
 import re
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psutil

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .theme import COMPONENT_COLORS, COMPONENT_LABELS, FONT, SERIES_COLORS, time_unit, to_utc
+from .theme import COMPONENT_COLORS, COMPONENT_LABELS, FONT, SERIES_COLORS, fmt_bytes, time_unit, to_utc
 
 __all__ = [
     "empty_figure",
@@ -42,6 +42,7 @@ __all__ = [
     "pipeline_stages_figure",
     "compare_comm_dims_figure",
     "scaling_comm_dims_figure",
+    "overlap_figure",
     "dim_color",
     "aggregation_note",
 ]
@@ -614,3 +615,56 @@ def scaling_comm_dims_figure(data: dict[str, Any]) -> Fig:
         note="per step, median over the runs at each size" + ("; line style = configuration" if len(cfgs) > 1 else ""),
         x=_log2_axis(sizes, title="world size (GPUs, log)"), y=_axis(title=f"exposed comm per step ({unit})",
                                                                     rangemode="tozero"))}
+
+
+def overlap_figure(view: dict[str, Any] | None) -> Fig:
+    """One rank-step's collectives against backward (``reports.run_overlap``): backward as a band, each
+    collective a bar from its issue to its completion (gradient reductions in blue), the part the step
+    waited for (exposed) on top in the exposed-comm colour; time from the step's start."""
+    v = view or {}
+    colls = v.get("collectives") or []
+    bwd = v.get("backward")
+    if not colls:
+        return empty_figure("No collectives recorded for this step.")
+    ends = [c["end_s"] for c in colls] + [v.get("step_s") or 0.0]
+    mult, unit = time_unit([max(ends) - min(0.0, *(c["start_s"] for c in colls))])
+    labels = [f"{i + 1} · {c['op'].replace('_', '-')} · {c['dim']} · {fmt_bytes(c['bytes'])}"
+              + (f" ×{c['calls']}" if c.get("calls", 1) > 1 else "") for i, c in enumerate(colls)]
+    start = np.array([c["start_s"] for c in colls])
+    end = np.array([c["end_s"] for c in colls])
+    exp = np.array([c["exposed_s"] for c in colls])
+    text = [f"{c['phase'].replace('_', ' ')}{' · gradient reduction' if c.get('gradient') else ''}" for c in colls]
+    data = [
+        {"type": "bar", "orientation": "h", "y": labels, "base": _f(start, mult), "x": _f(end - start, mult),
+         "name": "collective (issue → completion)", "text": text, "textposition": "none",
+         "marker": {"color": ["#56B4E9" if c.get("gradient") else "#B8BEC6" for c in colls]},
+         "hovertemplate": f"%{{base:.3g}} → +%{{x:.3g}} {unit}<br>%{{text}}<extra>%{{y}}</extra>"},
+        {"type": "bar", "orientation": "h", "y": labels, "base": _f(end - exp, mult), "x": _f(exp, mult),
+         "name": "exposed (the step waited)", "marker": {"color": COMPONENT_COLORS["comm_exposed_s"]},
+         "hovertemplate": f"exposed %{{x:.3g}} {unit}<extra>%{{y}}</extra>"},
+    ]
+    shapes: list[dict[str, Any]] = []
+    ann: list[dict[str, Any]] = []
+    if bwd:
+        shapes.append({"type": "rect", "xref": "x", "x0": bwd["start_s"] * mult, "x1": bwd["end_s"] * mult,
+                       "yref": "y domain", "y0": 0, "y1": 1, "layer": "below", "line": {"width": 0},
+                       "fillcolor": COMPONENT_COLORS["compute_s"], "opacity": 0.12, "name": "backward",
+                       "showlegend": True})
+        ann.append({"text": "backward", "x": (bwd["start_s"] + bwd["end_s"]) / 2 * mult, "xref": "x", "y": 1,
+                    "yref": "y domain", "yanchor": "bottom", "showarrow": False, "font": {"size": 10, "color": _MUTED}})
+    if v.get("step_s"):
+        shapes.append({"type": "line", "xref": "x", "x0": v["step_s"] * mult, "x1": v["step_s"] * mult,
+                       "yref": "y domain", "y0": 0, "y1": 1, "line": {"color": _MUTED, "width": 1, "dash": "dot"}})
+        ann.append({"text": "step end", "x": v["step_s"] * mult, "xref": "x", "y": 1, "yref": "y domain",
+                    "yanchor": "bottom", "showarrow": False, "font": {"size": 10, "color": _MUTED}})
+    tail = v.get("tail_s")
+    note = ("backward's start estimated; its end = the last gradient reduction's issue"
+            if bwd and bwd.get("end") != "estimated" else "backward estimated from the phase times" if bwd else
+            "no backward measured in this step")
+    if tail is not None:
+        note += f"; {tail * mult:.3g} {unit} waited for after backward"
+    return {"data": data, "layout": _layout(
+        f"Step {v.get('step')}, rank {v.get('rank')}: communication against backward",
+        height=max(220, 90 + 22 * len(colls)), note=note, hovermode="closest", barmode="overlay",
+        x=_axis(title=f"time from the step's start ({unit})"),
+        y=_axis(type="category", autorange="reversed", automargin=True), shapes=shapes, annotations=ann)}

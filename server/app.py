@@ -27,7 +27,7 @@ from .edge import EdgeMiddleware
 from .ingest import IngestService
 from .metrics import ServiceMetrics
 from .notifier import Notifier
-from .routes import alerts, benchmarks, health, ingest, kernels, nodes, runs, traces
+from .routes import alerts, benchmarks, health, ingest, kernels, nodes, overlap, runs, traces
 from .settings import Settings
 from .state import AppState
 from .store import runs as run_store
@@ -193,7 +193,7 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
     app.add_middleware(EdgeMiddleware, settings=settings, get_state=lambda: getattr(app.state, "fs", None))
     app.include_router(health.router)
     for r in (ingest.router, runs.router, benchmarks.router, traces.router, alerts.router, nodes.router,
-              kernels.router):
+              kernels.router, overlap.router):
         app.include_router(r, prefix="/api/v1")
 
     @app.exception_handler(DataError)

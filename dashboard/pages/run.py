@@ -55,6 +55,7 @@ COMPILE = "run-compile"
 KERNELS = "run-kernels"
 COMM_DIMS = "run-comm-dims"
 PIPELINE = "run-pipeline"
+OVERLAP = "run-overlap"
 
 GRAPHS = (DECOMPOSITION, HEATMAP, STRAGGLERS, THROUGHPUT, MEMORY, COLLECTIVES, MODALITY)
 
@@ -111,6 +112,7 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
                                         className="fs-row")),
         loading(html.Div(id=COMM_DIMS)),
         loading(html.Div(id=PIPELINE)),
+        loading(html.Div(id=OVERLAP)),
         section(None, loading(graph(MODALITY))),
         loading(html.Div(id=EXTRAS)),
         section("Config", loading(html.Div(id=CONFIG))),
@@ -420,6 +422,40 @@ def _parallelism(rid: int) -> tuple[Any, Any]:
     summary = reports.run_page_summary(eng, rid) or {}
     series = reports.comm_dim_series(eng, rid) if summary.get("comm_by_dim") else {}
     return _comm_dims_panel(summary, series), _pipeline_panel(summary)
+
+
+def _overlap_panel(view: dict[str, Any] | None, summary: dict[str, Any]) -> Any:
+    """Gradient communication against backward: one representative rank-step's collectives on its
+    timeline (backward as a band, exposed parts highlighted) and the summary's bucketing / overlap
+    advice with each upper-bound gain; nothing for a run without collectives."""
+    if not view or not view.get("collectives"):
+        return None
+    tail = view.get("tail_s")
+    step_s = view.get("step_s")
+    tiles = [kpi("step · rank", f"{view['step']:,} · {view['rank']:,}", "recent median step, its median rank"),
+             kpi("waited for after backward", fmt_s(tail) if tail is not None else "–",
+                 f"{fmt_pct(tail / step_s)} of this step" if tail is not None and step_s else "no backward measured",
+                 tone="bad" if tail and step_s and tail / step_s >= 0.05 else None),
+             kpi("overlap", fmt_pct(view.get("overlap_ratio")), "of this step's communication hidden"),
+             kpi("overlap in backward", fmt_pct(view.get("backward_overlap_ratio")), "collectives issued in backward")]
+    advice = summary.get("overlap_advice") or []
+    items = [html.Li([html.B(a["setting"]), f": {_sentence(a['suggestion'])} Expected gain at most {fmt_s(a['expected_gain_s'])}"
+                      + (f" ({fmt_pct(a['expected_gain_share'])} of the step)" if a.get("expected_gain_share") is not None else "")
+                      + " — an upper bound. ", html.Span(a["why"], className="fs-muted")]) for a in advice]
+    return section("Gradient communication vs backward", [
+        kpi_strip(tiles, kid=f"{OVERLAP}-kpis"),
+        graph(f"{OVERLAP}-chart", F.overlap_figure(view)),
+        html.Ul(items, className="fs-list", id=f"{OVERLAP}-advice") if items else
+        html.Div("No bucketing or overlap suggestion: exposed communication is not a top bottleneck of this run, or "
+                 "no change could remove 1 % of its step.", className="fs-muted", id=f"{OVERLAP}-advice"),
+        html.Div(_sentence(view.get("note") or ""), className="fs-footnote"),
+    ], sid=f"{OVERLAP}-section")
+
+
+@callback(Output(OVERLAP, "children"), Input(RUN, "data"))
+def _overlap(rid: int) -> Any:
+    eng = _state.engine()
+    return _overlap_panel(reports.run_overlap(eng, rid), reports.run_page_summary(eng, rid) or {})
 
 
 def _num_cell(v: Any, fmt: str = "{:.2f}") -> str:

@@ -23,6 +23,7 @@ from ._cache import clear as clear_caches
 from .fleet import compare_runs, compare_view, families, fleet_rows, run_options, scaling, scaling_view
 from .kernels import run_kernels
 from .nodes import node_detail, node_list
+from .overlap import run_overlap
 from .pages import (
     bottleneck_report,
     collectives_view,
@@ -71,7 +72,7 @@ __all__ = [
     # runs
     "get_run", "list_runs", "figures", "with_figures", "run_summary", "bottlenecks", "stragglers",
     "collective_efficiency", "run_collectives", "goodput", "run_events", "run_traces", "database_ok",
-    "run_compile", "run_kernels",
+    "run_compile", "run_kernels", "run_overlap",
     # nodes across runs
     "node_list", "node_detail",
     # run page

@@ -33,6 +33,7 @@ from ..store.compile import load_compile
 from ..store.rows import RankRollups, RunRow
 from . import _cache
 from .network import run_network
+from .overlap import run_overlap_advice
 from .tokens import run_token_balance
 
 __all__ = [
@@ -178,6 +179,7 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
         "compile": run_compile(engine, run.id),  # read fresh: events land after the steps
         "token_balance": run_token_balance(engine, run),
         "network": run_network(engine, run, _stragglers(engine, run, fig)),
+        "overlap_advice": run_overlap_advice(engine, run, fig, summary_bottlenecks(_bottlenecks(engine, run, fig))),
         **par,
     }
 

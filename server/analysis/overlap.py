@@ -1,0 +1,508 @@
+"""Overlap and bucketing guidance (docs/metrics.md, "Overlap and bucketing guidance"): one rank-step's
+communication placed on its timeline against backward, and what to change when exposed communication
+is a top bottleneck. Pure: decoded blocks and plain values in, dicts out.
+
+**Timeline of a rank-step** (times in seconds from the step's ``ts``). Measured: each collective's issue
+(``start_ts − ts``), its duration (``total_s``) and the part the training thread waited for
+(``exposed_s``). A collective's bar runs from ``start_s`` to ``end_s = start_s + total_s``; its exposed
+part is the last ``exposed_s`` of the bar (a wait ends when the work completes; for DDP's buckets the
+agent splits the wait after the last bucket's issue exactly so). Estimated: where backward lies. The
+agent measures phase *durations*, not positions, and excludes the waits from them, so the training
+thread is taken to run data → forward → backward → optimizer with the measured waits where they were
+(``_wall``): backward starts when data + forward time has elapsed outside waits. It ends at the issue
+of the last gradient reduction (an all-reduce or reduce-scatter issued in backward: DDP issues its
+last bucket, FSDP its last reduce-scatter, once the last gradient is ready — measured), else when
+data + forward + backward time has elapsed outside waits.
+
+* ``tail_s``: the waits after backward's end on collectives issued during backward — the gradient
+  communication the optimizer waited for;
+* ``overlap_ratio``: ``1 − Σ exposed / Σ total`` over the step's collectives (the rank-step's own
+  ``1 − comm_exposed_s / comm_total_s``); ``backward_overlap_ratio`` the same over those issued in backward.
+
+**Advice** (:func:`overlap_advice`) over the timelines of recent steps (each step's median rank),
+each figure the median over steps; only when exposed communication is a top bottleneck.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fleetscope.wire import COLLECTIVE_OPS, busbw_factor
+
+__all__ = [
+    "RankStep", "Collective", "Timeline", "LIMITS", "GRAD_OPS", "median_rank", "representative_step",
+    "rank_step", "rank_collectives", "timeline", "comm_is_top", "latency_fit", "overlap_advice",
+]  # fmt: skip
+
+#: thresholds of the advice (documented in docs/metrics.md)
+LIMITS = {
+    "top_share": 0.10,  # exposed comm at least 10 % of the step ...
+    "top_rank": 2,  # ... or first or second in the bottleneck ranking
+    "min_gain_share": 0.01,  # a suggestion must be able to remove at least 1 % of the step
+    "latency_dominates": 0.5,  # per-call overhead ≥ half of the gradient all-reduce time: fewer, larger buckets
+    "latency_target": 0.1,  # the suggested bucket keeps the per-call overhead at 10 % of its time
+}
+
+GRAD_OPS = ("all_reduce", "reduce_scatter")
+_EPS = 1e-6  # s: issue times equal up to the clocks' rounding
+_MIB = float(1 << 20)  # DDP's bucket_cap_mb is in MiB
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """One rank's step as the agent measured it (NaN = not measured)."""
+
+    step: int
+    rank: int
+    ts: float
+    step_s: float
+    data_s: float = float("nan")
+    forward_s: float = float("nan")
+    backward_s: float = float("nan")
+    optimizer_s: float = float("nan")
+    other_s: float = float("nan")
+    comm_exposed_s: float = float("nan")
+    comm_total_s: float = float("nan")
+    mem_peak_bytes: float = float("nan")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective record of a rank-step (``calls`` > 1: the agent aggregated several calls)."""
+
+    op: str
+    dim: str
+    group_size: int
+    bytes: float
+    calls: int
+    start_ts: float
+    total_s: float
+    exposed_s: float
+
+
+@dataclass
+class Placed:
+    """A collective on the step's timeline."""
+
+    op: str
+    dim: str
+    group_size: int
+    bytes: float
+    calls: int
+    start_s: float
+    end_s: float
+    exposed_s: float
+    phase: str = "unknown"
+    gradient: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"op": self.op, "dim": self.dim, "bytes": self.bytes, "calls": self.calls, "start_s": self.start_s,
+                "end_s": self.end_s, "exposed_s": self.exposed_s, "phase": self.phase, "gradient": self.gradient}
+
+
+@dataclass
+class Timeline:
+    """One rank-step's communication against its backward (see the module docstring)."""
+
+    step: int
+    rank: int
+    step_s: float
+    comm_exposed_s: float | None
+    backward: tuple[float, float] | None
+    collectives: list[Placed] = field(default_factory=list)
+    tail_s: float | None = None
+    overlap_ratio: float | None = None
+    backward_overlap_ratio: float | None = None
+    backward_end_measured: bool = False
+    mem_peak_bytes: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "rank": self.rank, "step_s": self.step_s, "comm_exposed_s": self.comm_exposed_s,
+            "backward": None if self.backward is None else {
+                "start_s": self.backward[0], "end_s": self.backward[1],
+                "start": "estimated", "end": "last gradient reduction issued" if self.backward_end_measured else "estimated"},
+            "collectives": [c.as_dict() for c in self.collectives],
+            "tail_s": self.tail_s, "overlap_ratio": self.overlap_ratio,
+            "backward_overlap_ratio": self.backward_overlap_ratio,
+        }  # fmt: skip
+
+
+def _num(v: Any) -> float:
+    x = float(v)
+    return x if np.isfinite(x) else float("nan")
+
+
+def _opt(v: float) -> float | None:
+    return v if np.isfinite(v) else None
+
+
+def median_rank(sb: Mapping[str, np.ndarray]) -> int | None:
+    """The rank of a step block whose step time is the median one (the lower median; ties: lowest rank)."""
+    ranks = np.asarray(sb["rank"])
+    st = np.asarray(sb["step_s"], dtype=np.float64)
+    ok = np.isfinite(st)
+    if not ok.any():
+        return None
+    order = np.lexsort((ranks[ok], st[ok]))
+    return int(ranks[ok][order][(int(ok.sum()) - 1) // 2])
+
+
+def representative_step(steps: Sequence[int] | np.ndarray, step_s: Sequence[float] | np.ndarray) -> int | None:
+    """The step whose (cross-rank median) step time is closest to the median of them; ties: the latest."""
+    s = np.asarray(steps, dtype=np.int64)
+    v = np.asarray(step_s, dtype=np.float64)
+    ok = np.isfinite(v)
+    if not ok.any():
+        return int(s[-1]) if len(s) else None
+    s, v = s[ok], v[ok]
+    d = np.abs(v - float(np.median(v)))
+    best = np.flatnonzero(d <= d.min() + 1e-15)
+    return int(s[best].max())
+
+
+def rank_step(step: int, sb: Mapping[str, np.ndarray], rank: int) -> RankStep | None:
+    """The ``RankStep`` of ``rank`` in a decoded step block (None when the rank has no record)."""
+    idx = np.flatnonzero(np.asarray(sb["rank"]) == rank)
+    if not len(idx):
+        return None
+    i = int(idx[0])
+
+    def g(k: str) -> float:
+        return _num(sb[k][i]) if k in sb else float("nan")
+
+    return RankStep(step, rank, g("ts"), g("step_s"), g("data_s"), g("forward_s"), g("backward_s"), g("optimizer_s"),
+                    g("other_s"), g("comm_exposed_s"), g("comm_total_s"), g("mem_peak_bytes"))
+
+
+def _dim_label(code: int, group_size: int, names: Mapping[int, str], world_size: int | None) -> str:
+    name = names.get(int(code)) if code else None
+    if name:
+        return name
+    if world_size and group_size == world_size:
+        return "world"
+    return f"g{group_size}"
+
+
+def rank_collectives(cb: Mapping[str, np.ndarray] | None, rank: int, dim_names: Mapping[int, str],
+                     world_size: int | None) -> list[Collective]:
+    """The collectives of ``rank`` in a decoded collective block, in record order (``seq``)."""
+    if cb is None or not len(cb["rank"]):
+        return []
+    idx = np.flatnonzero(np.asarray(cb["rank"]) == rank)
+    idx = idx[np.argsort(np.asarray(cb["seq"])[idx], kind="stable")]
+    out = []
+    for i in idx.tolist():
+        code = int(cb["op"][i])
+        n = int(cb["group_size"][i])
+        out.append(Collective(COLLECTIVE_OPS[code] if 0 <= code < len(COLLECTIVE_OPS) else "other",
+                              _dim_label(int(cb["dim"][i]), n, dim_names, world_size), n, float(cb["bytes"][i]),
+                              max(int(cb["calls"][i]), 1), _num(cb["start_ts"][i]), max(_num(cb["total_s"][i]), 0.0),
+                              _num(cb["exposed_s"][i])))
+    return out
+
+
+def _merge(iv: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(x for x in iv if x[1] > x[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _wall(waits: Sequence[tuple[float, float]], busy: float, *, late: bool) -> float:
+    """The time from the step's start at which ``busy`` seconds outside the (merged, sorted) ``waits``
+    have elapsed: the earliest such time, or with ``late`` the latest (after a wait starting there)."""
+    w = busy
+    for a, b in waits:
+        if a < w - _EPS or (late and a <= w + _EPS):  # equal within the clocks' rounding: at the point
+            w += b - a
+        else:
+            break
+    return w
+
+
+def _ratio(colls: Sequence[Placed]) -> float | None:
+    tot = sum(c.end_s - c.start_s for c in colls)
+    return 1.0 - sum(c.exposed_s for c in colls) / tot if tot > 0 else None
+
+
+def timeline(rs: RankStep, colls: Sequence[Collective]) -> Timeline:
+    """Place the rank-step's collectives against its backward (module docstring)."""
+    placed: list[Placed] = []
+    for k in colls:
+        if not np.isfinite(k.start_ts) or not np.isfinite(rs.ts):
+            continue  # no issue time: cannot be placed
+        t0 = k.start_ts - rs.ts
+        exp = min(max(float(np.nan_to_num(k.exposed_s)), 0.0), k.total_s)
+        placed.append(Placed(k.op, k.dim, k.group_size, k.bytes, k.calls, t0, t0 + k.total_s, exp))
+    tl = Timeline(rs.step, rs.rank, rs.step_s, _opt(rs.comm_exposed_s), None, placed,
+                  mem_peak_bytes=_opt(rs.mem_peak_bytes))
+    inside = [c for c in placed if c.start_s >= -_EPS]
+    for c in placed:
+        if c.start_s < -_EPS:
+            c.phase = "before_step"  # issued between the previous step and this one: not in its time
+    tl.overlap_ratio = _ratio(inside)
+    if not np.isfinite(rs.backward_s):
+        return tl  # no backward measured (manual steps without phases): nothing to place against
+    waits = _merge([(c.end_s - c.exposed_s, c.end_s) for c in inside if c.exposed_s > 0])
+    before = float(np.nan_to_num(rs.data_s) + np.nan_to_num(rs.forward_s))
+    start = _wall(waits, before, late=False)
+    busy_end = before + rs.backward_s
+    est_end = _wall(waits, busy_end, late=False)
+    # issued in backward: up to the latest place backward can end — after the waits that follow it, and
+    # after the step's other time in case that ran before backward, but not past the optimizer's time
+    # (a collective issued after the optimizer is not a gradient's)
+    other = float(np.nan_to_num(rs.other_s))
+    slack = other if not np.isfinite(rs.optimizer_s) else min(other, rs.optimizer_s)
+    hi = _wall(waits, busy_end + slack, late=True) + _EPS
+    grads = [c for c in inside if c.op in GRAD_OPS and start - _EPS <= c.start_s <= hi]
+    if grads:  # the gradients' group: the dimension reducing the most bytes (not a TP all-reduce)
+        per_dim: dict[str, float] = {}
+        for c in grads:
+            per_dim[c.dim] = per_dim.get(c.dim, 0.0) + c.bytes
+        top = max(sorted(per_dim), key=lambda d: per_dim[d])
+        grads = [c for c in grads if c.dim == top]
+    if grads:
+        end = max(c.start_s for c in grads)
+        tl.backward_end_measured = True
+    else:
+        end = est_end
+    start = min(start, end)
+    tl.backward = (start, end)
+    grad_ids = {id(c) for c in grads}
+    for c in inside:
+        c.gradient = id(c) in grad_ids
+        c.phase = "before_backward" if c.start_s < start - _EPS else "backward" if c.start_s <= end + _EPS else "after_backward"
+    bwd = [c for c in inside if c.phase == "backward"]
+    after = _merge([(max(c.end_s - c.exposed_s, end), c.end_s) for c in bwd if c.exposed_s > 0 and c.end_s > end])
+    tl.tail_s = float(sum(b - a for a, b in after))
+    tl.backward_overlap_ratio = _ratio(bwd)
+    return tl
+
+
+def comm_is_top(bottlenecks: Sequence[Mapping[str, Any]], comm_exposed_s: float | None, step_s: float | None) -> bool:
+    """Exposed communication is a top bottleneck: first or second in the summary's ``bottlenecks``, or at
+    least ``LIMITS["top_share"]`` of the step (its share there, or the decomposition's)."""
+    names = [b.get("component") for b in bottlenecks]
+    if "comm_exposed" in names[: int(LIMITS["top_rank"])]:
+        return True
+    share = next((b.get("share") for b in bottlenecks if b.get("component") == "comm_exposed"), None)
+    if isinstance(share, (int, float)) and share >= LIMITS["top_share"]:
+        return True
+    return bool(comm_exposed_s and step_s and step_s > 0 and comm_exposed_s / step_s >= LIMITS["top_share"])
+
+
+def latency_fit(samples: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """(per-call overhead α s, seconds per byte β) of ``service = α + β × bytes`` by least squares over
+    (bytes, service seconds) of single calls; None without ≥ 3 calls of ≥ 2 sizes (the largest at least
+    twice the smallest). α is kept within [0, the fastest call]; β ≤ 0 (time does not grow with size)
+    gives α = the median call and β = 0."""
+    if len(samples) < 3:
+        return None
+    x = np.array([s[0] for s in samples], dtype=np.float64)
+    y = np.array([s[1] for s in samples], dtype=np.float64)
+    ok = np.isfinite(x) & np.isfinite(y) & (y >= 0)
+    x, y = x[ok], y[ok]
+    if len(x) < 3 or x.min() <= 0 or x.max() < 2 * x.min():
+        return None
+    vx = float(np.var(x))
+    beta = float(np.mean((x - x.mean()) * (y - y.mean())) / vx) if vx > 0 else 0.0
+    if beta <= 0:
+        return float(np.median(y)), 0.0
+    alpha = float(y.mean() - beta * x.mean())
+    return min(max(alpha, 0.0), float(y.min())), beta
+
+
+def _service(colls: Sequence[Placed]) -> list[tuple[float, float]]:
+    """(bytes, service s) of single-call collectives in issue order: each one's time from its issue, or
+    the previous one's completion when later (one group's collectives run in order), to its completion."""
+    out: list[tuple[float, float]] = []
+    prev = -np.inf
+    for c in sorted(colls, key=lambda c: c.start_s):
+        if c.calls == 1:
+            out.append((c.bytes, max(c.end_s - max(c.start_s, prev), 0.0)))
+        prev = max(prev, c.end_s)
+    return out
+
+
+@dataclass
+class _StepFigures:
+    step_s: float
+    grad_op: str | None
+    grad_calls: float
+    grad_bytes: float
+    grad_exposed: float
+    grad_service: float
+    group_size: int
+    tail: float
+    band: float
+    ag_fwd_exposed: float
+    ag_bwd_exposed: float
+    ag_bwd_bytes: float
+    ag_group: int
+    samples: list[tuple[float, float]]
+
+
+def _figures(t: Timeline) -> _StepFigures | None:
+    if t.backward is None:
+        return None
+    grads = [c for c in t.collectives if c.gradient]
+    by_op: dict[str, float] = {}
+    for c in grads:
+        by_op[c.op] = by_op.get(c.op, 0.0) + c.bytes
+    op = max(by_op, key=lambda k: by_op[k]) if by_op else None
+    main = [c for c in grads if c.op == op]
+    samples = _service(main)
+    ag_f = [c for c in t.collectives if c.op == "all_gather" and c.phase == "before_backward"]
+    ag_b = [c for c in t.collectives if c.op == "all_gather" and c.phase == "backward"]
+    return _StepFigures(
+        step_s=t.step_s, grad_op=op, grad_calls=float(sum(c.calls for c in main)),
+        grad_bytes=float(sum(c.bytes for c in main)), grad_exposed=float(sum(c.exposed_s for c in main)),
+        grad_service=float(sum(s for _, s in samples)) if len(samples) == len(main) else float(
+            sum(c.end_s - c.start_s for c in main)),
+        group_size=max((c.group_size for c in main), default=1), tail=t.tail_s or 0.0,
+        band=t.backward[1] - t.backward[0], ag_fwd_exposed=float(sum(c.exposed_s for c in ag_f)),
+        ag_bwd_exposed=float(sum(c.exposed_s for c in ag_b)), ag_bwd_bytes=float(sum(c.bytes for c in ag_b)),
+        ag_group=max((c.group_size for c in ag_b), default=1), samples=samples)  # fmt: skip
+
+
+def _ms(v: float) -> str:
+    return f"{v * 1e3:.3g} ms" if v < 1 else f"{v:.3g} s"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %" if x < 0.1 else f"{100 * x:.0f} %"
+
+
+def _mb(b: float) -> str:
+    v = b / _MIB
+    return f"{v:.0f}" if v >= 10 else f"{v:.2g}"
+
+
+def _gb(b: float) -> str:
+    return f"{b / 1e9:.3g} GB" if b >= 1e8 else f"{b / 1e6:.3g} MB"
+
+
+def _item(setting: str, suggestion: str, gain: float, step_s: float, why: str) -> dict[str, Any]:
+    return {"setting": setting, "suggestion": suggestion, "expected_gain_s": gain,
+            "expected_gain_share": gain / step_s if step_s > 0 else None, "bound": "upper", "why": why}
+
+
+def overlap_advice(timelines: Sequence[Timeline], *, bottlenecks: Sequence[Mapping[str, Any]],
+                   comm_exposed_s: float | None, step_s: float | None,
+                   mem_peak_bytes: float | None = None) -> list[dict[str, Any]]:
+    """``[{"setting", "suggestion", "expected_gain_s", "expected_gain_share", "bound", "why"}]``, largest
+    gain first; empty unless exposed communication is a top bottleneck (:func:`comm_is_top`).
+
+    ``timelines``: recent steps (each step's median rank); ``step_s``: the run's median step (the share's
+    denominator; the timelines' median when None). Every gain is an **upper bound**: the exposed
+    seconds the change could at most remove, each figure the median over the steps."""
+    if not comm_is_top(bottlenecks, comm_exposed_s, step_s):
+        return []
+    figs = [f for f in (_figures(t) for t in timelines) if f is not None]
+    if not figs:
+        return []
+
+    def med(k: str) -> float:
+        return float(np.median([getattr(f, k) for f in figs]))
+
+    step = float(step_s) if step_s and step_s > 0 else med("step_s")
+    if not step > 0:
+        return []
+    ops = [f.grad_op for f in figs if f.grad_op]
+    grad_op = max(set(ops), key=ops.count) if ops else None
+    n_calls, nbytes, exposed, service = med("grad_calls"), med("grad_bytes"), med("grad_exposed"), med("grad_service")
+    tail, band = med("tail"), med("band")
+    n_group = max(f.group_size for f in figs)
+    unhideable = max(0.0, service - band)  # gradient communication longer than backward: no bucketing hides it
+    out: list[dict[str, Any]] = []
+    latency_item = False
+
+    if grad_op == "all_reduce" and n_calls >= 2:
+        fit = latency_fit([s for f in figs for s in f.samples])
+        if fit is not None:
+            alpha, beta = fit
+            latency = n_calls * alpha
+            mean_b = nbytes / n_calls
+            if latency >= LIMITS["latency_dominates"] * service and exposed > 0:
+                latency_item = True
+                t = LIMITS["latency_target"]
+                target = alpha * (1 - t) / t / beta if beta > 0 else nbytes
+                target = min(max(target, 2 * mean_b), max(nbytes, 2 * mean_b))
+                gain = min(exposed, (n_calls - 1) * alpha)
+                bw = (f"large messages reach {_gb(busbw_factor('all_reduce', n_group) / beta)}/s bus bandwidth"
+                      if beta > 0 else "the call time does not grow with the message size")
+                out.append(_item(
+                    "bucket_cap_mb",
+                    f"raise bucket_cap_mb to about {_mb(target)} (now {n_calls:.0f} gradient all-reduces of "
+                    f"{_mb(mean_b)} MiB on average per step): fewer, larger buckets",
+                    gain, step,
+                    f"per-call overhead ≈ {_ms(alpha)} × {n_calls:.0f} calls = {_ms(latency)} of the "
+                    f"{_ms(service)} the gradient all-reduces take per step (fit of each call's time against its "
+                    f"bytes; {bw}). Merging them removes at most (calls − 1) × overhead, and only the exposed part "
+                    f"({_ms(exposed)} per step) shortens the step: at most {_ms(gain)} ({_pct(gain / step)} of the "
+                    "step). Larger buckets start later: watch the tail after backward."))
+    if tail > 0 and not latency_item and grad_op is not None:
+        gain = max(0.0, tail - unhideable)
+        if grad_op == "all_reduce":
+            mean_b = nbytes / max(n_calls, 1.0)
+            setting = "bucket_cap_mb"
+            sugg = (f"lower bucket_cap_mb to about {_mb(mean_b / 2)} (now {n_calls:.0f} buckets of {_mb(mean_b)} MiB "
+                    "on average): more, smaller buckets, so less of the gradient all-reduce is left when backward ends")
+            what = "the all-reduce of the last bucket(s)"
+        else:
+            setting = "fully_shard units"
+            sugg = ("apply fully_shard to each block (smaller units), so the reduce-scatter left when backward ends "
+                    "is the last unit's only")
+            what = "the last reduce-scatter(s)"
+        out.append(_item(
+            setting, sugg, gain, step,
+            f"{_ms(tail)} per step of gradient {grad_op.replace('_', '-')} runs after backward ends ({what}, issued "
+            f"last) and the optimizer waits for it; of it, {_ms(unhideable)} cannot be hidden by any bucketing "
+            f"(the gradient communication takes {_ms(service)}, backward {_ms(band)}): at most {_ms(gain)} "
+            f"({_pct(gain / step)} of the step)."))
+        if unhideable > 0:
+            g = min(tail, unhideable)
+            how = ("compress gradients to bf16 (model.register_comm_hook(None, bf16_compress_hook))"
+                   if grad_op == "all_reduce" else "reduce in bf16 (MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))")
+            out.append(_item(
+                "gradient bytes", f"{how}, synchronise less often (gradient accumulation with no_sync / "
+                "set_requires_gradient_sync(False)), or a faster interconnect",
+                g, step,
+                f"the gradient communication ({_ms(service)} per step) is longer than backward ({_ms(band)}): "
+                f"{_ms(unhideable)} of it cannot overlap whatever the buckets; halving the bytes or syncing less "
+                f"often removes at most {_ms(g)} ({_pct(g / step)} of the step)."))
+    ag_b, ag_f = med("ag_bwd_exposed"), med("ag_fwd_exposed")
+    if ag_b > 0:
+        n_ag = max(f.ag_group for f in figs)
+        extra = med("ag_bwd_bytes") * (n_ag - 1) / max(n_ag, 1)
+        peak = mem_peak_bytes if mem_peak_bytes and mem_peak_bytes > 0 else None
+        mem = (f"peak memory is {_gb(peak)} per rank, and the device's memory is not reported to fleetscope (nor is "
+               "there one on CPU): check the headroom before" if peak else
+               "peak memory was not measured and the device's memory is not reported: check the headroom before")
+        out.append(_item(
+            "reshard_after_forward",
+            "fully_shard(..., reshard_after_forward=False) for the blocks whose all-gather is exposed in backward "
+            "(or, with no extra memory, block.set_modules_to_backward_prefetch([...]) to issue them earlier)",
+            ag_b, step,
+            f"all-gathers issued in backward expose {_ms(ag_b)} per step. Keeping the parameters unsharded from "
+            f"forward to backward removes them, for up to ~{_gb(extra)} more memory per rank (the gathered bytes "
+            f"less the local shard); {mem}. At most {_ms(ag_b)} ({_pct(ag_b / step)} of the step)."))
+    if ag_f > 0:
+        out.append(_item(
+            "set_modules_to_forward_prefetch",
+            "prefetch the next blocks' all-gathers in forward: block.set_modules_to_forward_prefetch([next blocks]) "
+            "(FSDP2), so they run while the current block computes",
+            ag_f, step,
+            f"all-gathers issued before backward (forward) expose {_ms(ag_f)} per step: compute waits for its "
+            f"parameters. Issued one block ahead they overlap the previous block: at most {_ms(ag_f)} "
+            f"({_pct(ag_f / step)} of the step)."))
+    keep = [a for a in out if a["expected_gain_s"] >= LIMITS["min_gain_share"] * step]
+    return sorted(keep, key=lambda a: -a["expected_gain_s"])

@@ -2,7 +2,11 @@
 side by side with raw psycopg binary COPY of the same rows into the same tables; bytes on disk per
 rank-step after compaction, side by side with a one-row-per-rank-step table with a primary key.
 
-    python bench/ingest.py [--rank-steps 400000] [--ranks 256] [--senders 3]
+    python bench/ingest.py [--rank-steps 400000] [--ranks 256] [--senders 3] [--runs 1]
+                           [--compaction-workers 0]
+
+``--runs K`` splits the rank-steps over K runs (compaction is partitioned by run: one run is folded
+by one compactor at a time); ``--compaction-workers N`` runs the server with N compaction processes.
 
 Prints `name: value unit` lines last (docs/benchmarks.md). The server runs as its own process
 (`fleetscope serve --database-url`), as in production; batches are encoded before timing starts.
@@ -55,16 +59,17 @@ def make_rows(ranks: int, steps: int, seed: int = 0) -> tuple[list[tuple], list[
         "flops": np.full(n, 6.9e14), "mem_allocated_bytes": rng.integers(60 << 30, 61 << 30, n) // 512 * 512,
         "mem_reserved_bytes": np.full(n, 72 << 30), "mem_peak_bytes": rng.integers(66 << 30, 68 << 30, n) // 512 * 512,
         "alloc_retries": np.zeros(n, dtype=np.int64), "flags": np.zeros(n, dtype=np.int64),
+        "hw_flops": np.full(n, 8.3e14),
     }  # fmt: skip
     names = [f.name for f in RANK_STEP_FIELDS]
     rows = list(zip(*(cols[k].tolist() for k in names), strict=True))
     colls = []
     for i in range(n):
         r, s, tot, exp_, t = int(rank[i]), int(step[i]), float(cols["comm_total_s"][i]), float(exposed[i]), float(ts[i])
-        colls.append((r, s, 0, "all_reduce", ranks, 400 << 20, 16, tot * 0.7, exp_ * 0.7, t))
-        colls.append((r, s, 1, "all_reduce", ranks, 25 << 20, 4, tot * 0.2, exp_ * 0.2, t))
-        colls.append((r, s, 2, "all_gather", ranks, 4 << 20, 1, tot * 0.08, exp_ * 0.08, t))
-        colls.append((r, s, 3, "barrier", ranks, 0, 1, tot * 0.02, exp_ * 0.02, t))
+        colls.append((r, s, 0, "all_reduce", ranks, 400 << 20, 16, tot * 0.7, exp_ * 0.7, t, "dp"))
+        colls.append((r, s, 1, "all_reduce", ranks, 25 << 20, 4, tot * 0.2, exp_ * 0.2, t, "dp"))
+        colls.append((r, s, 2, "all_gather", ranks, 4 << 20, 1, tot * 0.08, exp_ * 0.08, t, "dp"))
+        colls.append((r, s, 3, "barrier", ranks, 0, 1, tot * 0.02, exp_ * 0.02, t, "world"))
     return rows, colls
 
 
@@ -99,7 +104,7 @@ def raw_copy(url: str, run_id: int, rows: list[tuple], colls: list[tuple]) -> fl
                 cp.write_row([run_id if i is None else row[i] for i in idx])
         with cur.copy(f"COPY ref_collectives ({', '.join(RAW_COLL_LAYOUT.names)}) FROM STDIN (FORMAT BINARY)") as cp:
             cp.set_types(["int4", "int4", "int4", "int4", "int2", "int4", "int8", "int4", "float8", "float8", "float8"])
-            for r, s, seq, op, n, b, calls, tot, exp_, t in colls:
+            for r, s, seq, op, n, b, calls, tot, exp_, t, _dim in colls:
                 cp.write_row((run_id, s, r, seq, OP_CODE[op], n, b, calls, tot, exp_, t))
         conn.commit()
     return time.perf_counter() - t0
@@ -112,6 +117,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8192, help="rank-steps per HTTP batch")
     ap.add_argument("--senders", type=int, default=3)
     ap.add_argument("--port", type=int, default=18431)
+    ap.add_argument("--runs", type=int, default=1, help="split the rank-steps over this many runs")
+    ap.add_argument("--compaction-workers", type=int, default=0)
     args = ap.parse_args()
     steps = max(1, args.rank_steps // args.ranks)
     n = steps * args.ranks
@@ -126,9 +133,11 @@ def main() -> None:
         print(f"generating {n:,} rank-steps ({args.ranks} ranks x {steps} steps) + {4 * n:,} collectives ...", flush=True)
         rows, colls = make_rows(args.ranks, steps)
         with psycopg.connect(libpq_url(url), autocommit=True) as c:
-            for name in ("bench-http", "bench-copy"):
+            for name in ("bench-copy", *(f"bench-http-{k}" for k in range(args.runs))):
                 c.execute("INSERT INTO runs (name, world_size) VALUES (%s, %s)", (name, args.ranks))
-            http_run = c.execute("SELECT id FROM runs WHERE name = 'bench-http'").fetchone()[0]
+            http_runs = [c.execute("SELECT id FROM runs WHERE name = %s", (f"bench-http-{k}",)).fetchone()[0]
+                         for k in range(args.runs)]
+            http_run = http_runs[0]
             copy_run = c.execute("SELECT id FROM runs WHERE name = 'bench-copy'").fetchone()[0]
         from fleetscope.server.auth import create_token
         from fleetscope.server.db import make_engine
@@ -146,11 +155,18 @@ def main() -> None:
         copy_rate = n / t_copy
         print(f"raw COPY: {t_copy:.2f}s", flush=True)
 
-        batches = encode_batches(http_run, rows, colls, args.batch)
+        # each run gets a contiguous share of the steps (whole steps: every rank of a step in one run)
+        per_run = -(-steps // args.runs) * args.ranks
+        by_run = []
+        for k, rid in enumerate(http_runs):
+            lo, hi = k * per_run, min(n, (k + 1) * per_run)
+            by_run.append(encode_batches(rid, rows[lo:hi], colls[4 * lo:4 * hi], args.batch) if hi > lo else [])
+        batches = [b[i] for i in range(max(map(len, by_run))) for b in by_run if i < len(b)]  # runs interleaved
         wire_bytes = sum(len(b) for b, _ in batches)
         env = {**os.environ, "FLEETSCOPE_COMPACT_GRACE_S": "2", "FLEETSCOPE_COMPACT_INTERVAL_S": "0.5"}
         server = subprocess.Popen(
-            [sys.executable, "-m", "fleetscope.cli", "serve", "--database-url", url, "--port", str(args.port)],
+            [sys.executable, "-m", "fleetscope.cli", "serve", "--database-url", url, "--port", str(args.port),
+             "--compaction-workers", str(args.compaction_workers)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
         )
         base = f"http://127.0.0.1:{args.port}"
@@ -201,8 +217,9 @@ def main() -> None:
             while c.execute("SELECT count(*) FROM ingest_fragments").fetchone()[0] > 0:
                 time.sleep(0.05)
             t_done = time.perf_counter() - t0
-            stored = c.execute("SELECT rank_steps, collective_records FROM runs WHERE id = %s", (http_run,)).fetchone()
-            assert stored == (n, 4 * n), stored
+            stored = c.execute("SELECT sum(rank_steps), sum(collective_records) FROM runs WHERE id = ANY(%s)",
+                               (http_runs,)).fetchone()
+            assert tuple(map(int, stored)) == (n, 4 * n), stored
             c.execute("VACUUM ANALYZE steps, run_collectives, runs")
             total = c.execute(
                 "SELECT pg_total_relation_size('steps') + pg_total_relation_size('run_collectives')"
@@ -225,6 +242,8 @@ def main() -> None:
             c.execute("VACUUM ANALYZE ref_rank_steps")
             ref = c.execute("SELECT pg_total_relation_size('ref_rank_steps')").fetchone()[0]
         lat_ms = np.array(lat) * 1e3
+        print(f"runs: {args.runs}, compaction workers: {args.compaction_workers} (0: a thread of the server), "
+              f"load {os.getloadavg()}")
         print(f"batches: {len(batches)} x {args.batch} rank-steps (+4 collectives each), {args.senders} senders, "
               f"{wire_bytes / n:.1f} wire bytes per rank-step (msgpack+gzip), {retries[0]} backpressure retries")
         print(f"ingest_accept_rate: {n / t_accept:,.0f} rank-steps/s")

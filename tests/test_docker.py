@@ -51,3 +51,29 @@ def test_compose_and_dockerfile_commands_are_accepted_by_the_cli() -> None:
     assert out.returncode == 0, out.stderr
     for folder in ("fleetscope", "agent", "server", "dashboard", "migrations"):
         assert f"COPY {folder} ./{folder}" in dockerfile
+
+
+def test_scale_out_compose_runs_two_instances_behind_a_proxy_on_one_postgres() -> None:
+    doc = yaml.safe_load((ROOT / "docker" / "compose.scale.yml").read_text())
+    svc = doc["services"]
+    instances = [k for k in svc if k.startswith("fleetscope-")]
+    assert len(instances) == 2
+    from fleetscope.server.settings import Settings
+
+    known = {f"FLEETSCOPE_{name.upper()}" for name in Settings.model_fields}
+    for k in instances:
+        s = svc[k]
+        assert s["command"][0] == "serve" and "--database-url" in s["command"]
+        url = s["command"][s["command"].index("--database-url") + 1]
+        assert re.match(r"postgresql://fleetscope:.*@postgres:5432/fleetscope", url)  # one Postgres for both
+        assert (ROOT / "docker" / s["build"]["context"] / s["build"]["dockerfile"]).is_file()
+        assert set(s["environment"]) <= known, set(s["environment"]) - known
+        assert "ports" not in s  # only the proxy is published
+        # the proxy forwards with Host: proxy, which each instance must accept
+        assert "proxy" in s["environment"]["FLEETSCOPE_ALLOWED_HOSTS"].split(",")
+    proxy = svc["proxy"]
+    assert all(p.startswith("127.0.0.1:") for p in proxy["ports"])
+    conf = (ROOT / "docker" / "nginx.conf").read_text()
+    for k in instances:
+        assert f"server {k}:8000" in conf
+    assert "proxy_set_header Host proxy;" in conf

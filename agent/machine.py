@@ -66,6 +66,12 @@ def _no_clock() -> Mark:
     raise RuntimeError("no clock chosen yet")  # never on the hot path: a step chooses one first
 
 
+SEQ_BINS = 24
+"""Log2 bins of the sequence-length histogram: bin k counts lengths in [2^k, 2^(k+1)); the last is open."""
+SEQ_EVERY_STEPS = 200
+"""Steps folded into one ``seq_lens`` event (also sent at finish)."""
+
+
 class StepMachine:
     """The timing state of one rank's training thread (``Run`` is the public face of it).
 
@@ -81,6 +87,7 @@ class StepMachine:
         "_tid", "_step", "_stack", "_cur", "_fast", "_durs", "_zeros", "_t0", "_last", "_in_coll",
         "_gap", "_state_names", "_flops_per_step", "_flops_per_token", "_flops_given", "_flop_meter",
         "_flop_watch", "_collectives_installed", "_collectives_tried", "_flop_rates", "_flop_split",
+        "_seq_hist", "_seq_steps",
     )  # fmt: skip
 
     def __init__(
@@ -108,6 +115,7 @@ class StepMachine:
             "negative_residuals": 0,
             "phase_names_overflow": 0,
             "flops_not_measured_compiled": 0,
+            "seq_lens_on_device": 0,
             "internal_errors": 0,
         }
         self._errors_logged: set[str] = set()
@@ -147,6 +155,8 @@ class StepMachine:
         self._in_coll = False  # the training thread is inside a wrapped collective (collectives.py)
         self._gap: list[Sequence[Any]] = []  # collectives issued outside any step, for the next step
         self._state_names: list[str] = list(STATE_NAMES)
+        self._seq_hist: list[int] | None = None  # sequence lengths, log2 bins (count(seq_lens=...))
+        self._seq_steps = 0
         # FLOPs
         self._flops_per_step = flops_per_step
         self._flops_per_token = flops_per_token
@@ -274,15 +284,47 @@ class StepMachine:
         if self._stack:
             self._to(self._stack.pop())
 
-    def count(self, tokens: Tokens = None, padded_tokens: Count = None, samples: Count = None) -> None:
-        """Add tokens (int or dict per modality), padded tokens and samples to the current step."""
+    def count(self, tokens: Tokens = None, padded_tokens: Count = None, samples: Count = None,
+              seq_lens: Any = None) -> None:
+        """Add tokens (int or dict per modality), padded tokens and samples to the current step;
+        ``seq_lens``: the lengths of the step's sequences (a list, or a CPU tensor), for the run's
+        sequence-length histogram."""
         st = self._step
         if st is None:
             return
         try:
             self._add_counts(st, tokens, padded_tokens, samples)
+            if seq_lens is not None:
+                self._add_seq_lens(seq_lens)
         except Exception as e:  # noqa: BLE001
             self._error("count", e)
+
+    def _add_seq_lens(self, seq_lens: Any) -> None:
+        """Fold sequence lengths into the log2 histogram (bin k: lengths in [2^k, 2^(k+1)); bin 0 also
+        holds 0). A tensor on an accelerator is refused: reading it would synchronise the device."""
+        dev = getattr(seq_lens, "device", None)
+        if dev is not None and getattr(dev, "type", "cpu") != "cpu":
+            self.counters["seq_lens_on_device"] += 1
+            return
+        vals = seq_lens.tolist() if hasattr(seq_lens, "tolist") else seq_lens
+        hist = self._seq_hist
+        if hist is None:
+            hist = self._seq_hist = [0] * SEQ_BINS
+        for v in vals:
+            k = int(v).bit_length() - 1
+            hist[0 if k < 0 else min(k, SEQ_BINS - 1)] += 1
+        self._seq_steps += 1
+        if self._seq_steps >= SEQ_EVERY_STEPS:
+            self._flush_seq_hist()
+
+    def _flush_seq_hist(self) -> None:
+        """Send the histogram so far as a ``seq_lens`` event and start a new one."""
+        hist = self._seq_hist
+        if not hist:
+            return
+        self._seq_hist = None
+        self._event("seq_lens", None, {"bins": {str(k): n for k, n in enumerate(hist) if n}, "steps": self._seq_steps})
+        self._seq_steps = 0
 
     def _add_counts(self, st: StepData, tokens: Tokens, padded: Count, samples: Count) -> None:
         """Add tokens (an int, or a mapping per modality), padded tokens and samples to ``st``."""

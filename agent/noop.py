@@ -24,7 +24,7 @@ class _NoopCM:
     def phase(self, name: str) -> _NoopCM:
         return self
 
-    def count(self, tokens: Any = None, padded_tokens: Any = None, samples: Any = None) -> None:
+    def count(self, tokens: Any = None, padded_tokens: Any = None, samples: Any = None, seq_lens: Any = None) -> None:
         return None
 
 
@@ -49,7 +49,7 @@ class NoopRun:
     def phase(self, name: str) -> _NoopCM:
         return _NOOP
 
-    def count(self, tokens: Any = None, padded_tokens: Any = None, samples: Any = None) -> None:
+    def count(self, tokens: Any = None, padded_tokens: Any = None, samples: Any = None, seq_lens: Any = None) -> None:
         return None
 
     def instrument(

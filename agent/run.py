@@ -184,6 +184,7 @@ class Run(StepMachine):
                 st = StepData(self._next_index, False)
                 st.pre_calls, self._gap = self._gap, []
                 self._colls.emit(st, self._clock, None)
+            self._flush_seq_hist()
         except Exception as e:  # noqa: BLE001
             self._error("finish", e)
         self._unhook()

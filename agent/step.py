@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 from .machine import StepMachine
 from .step_end import end, end_fast
@@ -168,9 +169,12 @@ class Step:
         """The prebuilt context manager of phase ``name`` (see ``Run.phase``)."""
         return self._phase(name)
 
-    def count(self, tokens: Tokens = None, padded_tokens: Count = None, samples: Count = None) -> None:
-        """Add tokens (an int, or a dict per modality), padded tokens and samples to this step."""
-        self._run.count(tokens=tokens, padded_tokens=padded_tokens, samples=samples)
+    def count(self, tokens: Tokens = None, padded_tokens: Count = None, samples: Count = None,
+              seq_lens: Any = None) -> None:
+        """Add tokens (an int, or a dict per modality), padded tokens and samples to this step;
+        ``seq_lens`` (the lengths of the step's sequences, a list or a CPU tensor) feeds the run's
+        sequence-length histogram."""
+        self._run.count(tokens=tokens, padded_tokens=padded_tokens, samples=samples, seq_lens=seq_lens)
 
     @property
     def index(self) -> int | None:

@@ -159,6 +159,8 @@ class _TimedIterator:
                     c = counts(batch)
                     if c and run._step is not None:
                         run._add_counts(run._step, c.get("tokens"), c.get("padded_tokens"), c.get("samples"))
+                        if c.get("seq_lens") is not None:
+                            run._add_seq_lens(c["seq_lens"])
             except Exception as e:  # noqa: BLE001
                 run._error("data", e)
         return batch

@@ -19,7 +19,7 @@ import numpy as np
 from ..store.rows import P2P, StepCommRow
 
 __all__ = ["P2P", "dim_label", "comm_by_dim", "pipeline_summary", "stage_figures", "group_spans",
-           "dim_findings", "comm_dim_series"]
+           "dim_findings", "comm_dim_series", "seq_len_histogram"]
 
 UNKNOWN = "unknown"
 
@@ -182,3 +182,25 @@ def dim_findings(by_dim: dict[str, dict[str, float]], step_s: float | None, span
             text += f"; stage {pipeline['slowest_stage']} is the slowest"
         out.append({"dim": "pp", "share": frac, "finding": text})
     return sorted(out, key=lambda f: -f["share"])
+
+
+def seq_len_histogram(bins: dict[int, int]) -> dict[str, Any] | None:
+    """The run's sequence-length histogram from log2 bins (bin k: lengths in [2^k, 2^(k+1))):
+    ``{"bins": [{"lo", "hi", "count"}], "sequences", "p50_bin_lo", "p95_bin_lo", "max_bin_lo"}``, None
+    without data. Percentiles are given as the lower bound of the bin they fall in."""
+    if not bins or sum(bins.values()) <= 0:
+        return None
+    total = sum(bins.values())
+    ks = sorted(bins)
+    rows = [{"lo": 0 if k == 0 else 2**k, "hi": 2 ** (k + 1), "count": int(bins[k])} for k in ks]
+
+    def pct(q: float) -> int:
+        acc = 0
+        for k in ks:
+            acc += bins[k]
+            if acc >= q * total:
+                return 0 if k == 0 else 2**k
+        return 2 ** ks[-1]
+
+    return {"bins": rows, "sequences": int(total), "p50_bin_lo": pct(0.5), "p95_bin_lo": pct(0.95),
+            "max_bin_lo": 0 if ks[-1] == 0 else 2 ** ks[-1]}

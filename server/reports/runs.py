@@ -223,7 +223,8 @@ def _parallel(engine: Engine, run: RunRow, fig: RunFigures) -> dict[str, Any]:
             if dim in spans:
                 v["nodes"] = spans[dim]
         return {"comm_by_dim": by_dim, "pipeline": pipeline, "parallel_findings": findings,
-                "custom_phases": collectives.custom_phases(engine, run.id)}
+                "custom_phases": collectives.custom_phases(engine, run.id),
+                "seq_len_hist": parallel.seq_len_histogram(events.seq_len_bins(engine, run.id))}
 
     return _cache.cached("parallel", engine, run, compute)
 

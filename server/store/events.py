@@ -6,7 +6,7 @@ from typing import Any
 
 from sqlalchemy import Engine, text
 
-__all__ = ["run_events", "job_events", "events_of_kind"]
+__all__ = ["run_events", "job_events", "events_of_kind", "seq_len_bins"]
 
 
 def run_events(engine: Engine, run_id: int, limit: int = 500) -> list[dict[str, Any]]:
@@ -44,3 +44,20 @@ def events_of_kind(engine: Engine, run_id: int, kinds: tuple[str, ...],
             {"id": run_id, "k": list(kinds), "n": limit},
         ).fetchall()
     return [(int(r), k, s, d if isinstance(d, dict) else {}) for r, k, s, d in rows]
+
+
+def seq_len_bins(engine: Engine, run_id: int) -> dict[int, int]:
+    """{log2 bin: sequences} summed over the run's ``seq_lens`` events (every rank, every window)."""
+    with engine.connect() as c:
+        rows = c.execute(
+            text("SELECT b.key, sum(CASE WHEN jsonb_typeof(b.value) = 'number' THEN (b.value)::text::numeric END) "
+                 "FROM run_events e, jsonb_each(CASE WHEN jsonb_typeof(e.data->'bins') = 'object' "
+                 "THEN e.data->'bins' ELSE '{}'::jsonb END) b "
+                 "WHERE e.run_id = :id AND e.kind = 'seq_lens' GROUP BY b.key"),
+            {"id": run_id},
+        ).fetchall()
+    out: dict[int, int] = {}
+    for k, v in rows:
+        if isinstance(k, str) and k.isdigit() and v is not None and int(k) < 64:
+            out[int(k)] = int(v)
+    return out

@@ -32,6 +32,8 @@ import sys
 import warnings
 from typing import Any
 
+from .import_hook import CallbackLoader
+
 __all__ = ["activate", "is_launcher_process", "ENV_AUTO", "ENV_FAMILY"]
 
 log = logging.getLogger(__name__)
@@ -82,30 +84,11 @@ def activate() -> None:
         _warn_once("activate", e)
 
 
-class _TorchLoader(importlib.abc.Loader):
-    """torch's own loader, plus a call once the module has executed."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def create_module(self, spec: Any) -> Any:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        try:  # the module keeps its real loader
-            module.__loader__ = self._inner
-            if module.__spec__ is not None:
-                module.__spec__.loader = self._inner
-        except Exception:  # noqa: BLE001
-            pass
-        self._inner.exec_module(module)
-        try:
-            _on_torch_imported()
-        except Exception as e:  # noqa: BLE001
-            _warn_once("torch import", e)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+def _after_torch() -> None:
+    try:
+        _on_torch_imported()
+    except Exception as e:  # noqa: BLE001
+        _warn_once("torch import", e)
 
 
 class _TorchWatcher(importlib.abc.MetaPathFinder):
@@ -124,7 +107,7 @@ class _TorchWatcher(importlib.abc.MetaPathFinder):
             return None
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = _TorchLoader(spec.loader)
+        spec.loader = CallbackLoader(spec.loader, _after_torch)
         return spec
 
 

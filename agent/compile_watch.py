@@ -50,6 +50,8 @@ from collections.abc import Callable
 from types import CodeType
 from typing import Any
 
+from .import_hook import CallbackLoader
+
 __all__ = ["install", "CompileWatch", "MAX_REASONS", "MAX_COMPILE_EVENTS", "MAX_REASON_CHARS", "watching"]
 
 log = logging.getLogger(__name__)
@@ -169,31 +171,14 @@ class _DynamoFinder(importlib.abc.MetaPathFinder):
             return None
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = _Loader(spec.loader, self._handle)
+        handle = self._handle
+
+        def after() -> None:
+            handle.finder = None
+            handle.on_dynamo_imported()
+
+        spec.loader = CallbackLoader(spec.loader, after)
         return spec
-
-
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: Any, handle: _Handle) -> None:
-        self._inner = inner
-        self._handle = handle
-
-    def create_module(self, spec: Any) -> Any:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        try:  # the module keeps its real loader
-            module.__loader__ = self._inner
-            if module.__spec__ is not None:
-                module.__spec__.loader = self._inner
-        except Exception:  # noqa: BLE001
-            pass
-        self._inner.exec_module(module)
-        self._handle.finder = None
-        self._handle.on_dynamo_imported()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 class _Patch:

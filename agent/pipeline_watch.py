@@ -37,6 +37,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from .import_hook import CallbackLoader
+
 __all__ = ["arm", "attach", "detach", "installed", "PACKAGE"]
 
 log = logging.getLogger(__name__)
@@ -230,32 +232,13 @@ def _unpatch() -> None:
     _orig.clear()
 
 
-class _PipeliningLoader(importlib.abc.Loader):
-    """The package's own loader, plus the wrapping once the package has run."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def create_module(self, spec: Any) -> Any:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        try:  # the module keeps its real loader
-            module.__loader__ = self._inner
-            if module.__spec__ is not None:
-                module.__spec__.loader = self._inner
-        except Exception:  # noqa: BLE001
-            pass
-        self._inner.exec_module(module)
-        try:
-            _remove_watcher()
-            if _armed:
-                _patch()
-        except Exception as e:  # noqa: BLE001
-            _warn_once("import", e)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+def _after_pipelining() -> None:
+    try:
+        _remove_watcher()
+        if _armed:
+            _patch()
+    except Exception as e:  # noqa: BLE001
+        _warn_once("import", e)
 
 
 class _PipeliningWatcher(importlib.abc.MetaPathFinder):
@@ -274,7 +257,7 @@ class _PipeliningWatcher(importlib.abc.MetaPathFinder):
             else:
                 return None
             if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _PipeliningLoader(spec.loader)
+                spec.loader = CallbackLoader(spec.loader, _after_pipelining)
             return spec
         except Exception as e:  # noqa: BLE001 - the normal import machinery takes over
             _warn_once("import watcher", e)

@@ -92,3 +92,28 @@ def add_benchmarks(srv: Any) -> None:
     with srv.client() as c:
         r = c.http.post("/api/v1/benchmarks", json={"cluster": "h100-a", "points": pts})
         assert r.status_code == 200, r.text
+
+
+def texts(node: Any, *, numbers: bool = False) -> list[str]:
+    """Every string (and with ``numbers``, every number) in a serialised Dash component tree."""
+    if isinstance(node, str):
+        return [node]
+    if numbers and isinstance(node, (int, float)) and not isinstance(node, bool):
+        return [str(node)]
+    if isinstance(node, list):
+        return [t for n in node for t in texts(n, numbers=numbers)]
+    if isinstance(node, dict):
+        return [t for k, v in node.items() if k in ("props", "children") for t in texts(v, numbers=numbers)]
+    return []
+
+
+def find(node: Any, cid: str) -> Any:
+    """The component with id ``cid`` in a serialised Dash component tree (None if absent)."""
+    if isinstance(node, list):
+        return next((f for n in node if (f := find(n, cid)) is not None), None)
+    if isinstance(node, dict):
+        props = node.get("props") or {}
+        if props.get("id") == cid:
+            return node
+        return find(props.get("children"), cid)
+    return None

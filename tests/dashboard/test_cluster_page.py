@@ -8,11 +8,16 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from dash_util import load
+from dash_util import find as _find
+from dash_util import load, texts
 
 from fleetscope.synthetic import RunSpec
 
 SLOW = "node0001"
+
+
+def _texts(node: Any) -> list[str]:
+    return texts(node, numbers=True)
 
 
 def _update(srv: Any, outputs: list[tuple[str, str]], inputs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -45,27 +50,8 @@ def _fill(srv: Any, node: str | None) -> dict[str, Any]:
                          ("cluster-detail", "children")], [{"id": "cluster-node", "property": "value", "value": node}])
 
 
-def _texts(node: Any) -> list[str]:
-    if isinstance(node, (str, int, float)) and not isinstance(node, bool):
-        return [str(node)]
-    if isinstance(node, list):
-        return [t for n in node for t in _texts(n)]
-    if isinstance(node, dict):
-        return [t for k, v in node.items() if k in ("props", "children") for t in _texts(v)]
-    return []
 
 
-def _find(node: Any, cid: str) -> Any:
-    if isinstance(node, list):
-        for n in node:
-            if (hit := _find(n, cid)) is not None:
-                return hit
-    elif isinstance(node, dict):
-        props = node.get("props") or {}
-        if props.get("id") == cid:
-            return node
-        return _find(props.get("children"), cid)
-    return None
 
 
 def _rows(table: Any) -> list[list[str]]:

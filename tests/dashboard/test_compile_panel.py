@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 from dash_util import load
+from dash_util import texts as _texts
 
 from fleetscope.synthetic import RunSpec
 
@@ -32,15 +33,6 @@ def _callback(srv: Any, outputs: list[tuple[str, str]], rid: int) -> dict[str, A
     return r.json()["response"] if r.status_code == 200 else {}
 
 
-def _texts(node: Any) -> list[str]:
-    """Every string in a serialised Dash component tree."""
-    if isinstance(node, str):
-        return [node]
-    if isinstance(node, list):
-        return [t for n in node for t in _texts(n)]
-    if isinstance(node, dict):
-        return [t for k, v in node.items() if k in ("props", "children") for t in _texts(v)]
-    return []
 
 
 def _ids(node: Any) -> list[str]:

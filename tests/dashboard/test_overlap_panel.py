@@ -13,6 +13,8 @@ import httpx
 import numpy as np
 import plotly.graph_objects as go
 import pytest
+from dash_util import find as _find
+from dash_util import texts as _texts
 
 from fleetscope.wire import RANK_STEP_FIELDS
 
@@ -57,25 +59,8 @@ def _panel(srv: Any, rid: int) -> Any:
     return r.json()["response"]["run-overlap"]["children"] if r.status_code == 200 else None
 
 
-def _texts(node: Any) -> list[str]:
-    if isinstance(node, str):
-        return [node]
-    if isinstance(node, list):
-        return [t for n in node for t in _texts(n)]
-    if isinstance(node, dict):
-        return [t for k, v in node.items() if k in ("props", "children") for t in _texts(v)]
-    return []
 
 
-def _find(node: Any, cid: str) -> Any:
-    if isinstance(node, list):
-        return next((f for n in node if (f := _find(n, cid)) is not None), None)
-    if isinstance(node, dict):
-        props = node.get("props") or {}
-        if props.get("id") == cid:
-            return node
-        return _find(props.get("children"), cid)
-    return None
 
 
 def _num(a: Any) -> list[float]:

@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 import pytest
+from dash_util import find as _find
 from dash_util import load
+from dash_util import texts as _texts
 from fleetscope.dashboard import figures as F
 from fleetscope.dashboard.theme import fmt_s
 
@@ -97,27 +99,8 @@ def _run_cb(srv: Any, outputs: list[tuple[str, str]], rid: int) -> dict[str, Any
     return _callback(srv, outputs, [("run-id", "data", rid)])
 
 
-def _texts(node: Any) -> list[str]:
-    """Every string in a serialised Dash component tree."""
-    if isinstance(node, str):
-        return [node]
-    if isinstance(node, list):
-        return [t for n in node for t in _texts(n)]
-    if isinstance(node, dict):
-        return [t for k, v in node.items() if k in ("props", "children") for t in _texts(v)]
-    return []
 
 
-def _find(node: Any, cid: str) -> Any:
-    """The component with id ``cid`` in a serialised tree (None if absent)."""
-    if isinstance(node, list):
-        return next((f for n in node if (f := _find(n, cid)) is not None), None)
-    if isinstance(node, dict):
-        props = node.get("props") or {}
-        if props.get("id") == cid:
-            return node
-        return _find(props.get("children"), cid)
-    return None
 
 
 def _rows(table: Any) -> list[list[str]]:

@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 from analysis_util import Receiver, load
+from dash_util import texts as _texts
 
 from fleetscope.simulate import run_simulation
 from fleetscope.synthetic import RunSpec, rank_step_rows
@@ -56,14 +57,6 @@ def _expected_cause(good: list[RunSpec], bad: list[RunSpec]) -> tuple[dict[str, 
     return ({c: float(np.median([x[c] for x in g])) for c in COMPS}, {c: float(np.median([x[c] for x in b])) for c in COMPS})
 
 
-def _texts(node: Any) -> list[str]:
-    if isinstance(node, str):
-        return [node]
-    if isinstance(node, list):
-        return [t for n in node for t in _texts(n)]
-    if isinstance(node, dict):
-        return [t for k, v in node.items() if k in ("props", "children") for t in _texts(v)]
-    return []
 
 
 def _ids(node: Any) -> list[str]:

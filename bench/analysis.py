@@ -96,7 +96,8 @@ def simulate_straggler(base: str, ranks: int, steps: int, straggler: int) -> Non
     figure("other_ranks_flagged", float(len([r for r in named if r != straggler])), "ranks")
 
 
-def big_run_batches(ranks: int, steps: int, straggler: int, chunk: int, seed: int = 0) -> Any:
+def big_run_batches(ranks: int, steps: int, straggler: int, chunk: int, seed: int = 0,
+                    with_collectives: bool = False) -> Any:
     """Columnar batches of a synchronous job (the model of fleetscope.synthetic, vectorised)."""
     rng = np.random.default_rng(seed)
     names = [f.name for f in RANK_STEP_FIELDS]
@@ -128,19 +129,45 @@ def big_run_batches(ranks: int, steps: int, straggler: int, chunk: int, seed: in
             "mem_reserved_bytes": np.full(n, 72 << 30), "mem_peak_bytes": np.full(n, 66 << 30),
             "alloc_retries": np.zeros(n, dtype=np.int64), "flags": np.zeros(n, dtype=np.int64),
         }  # fmt: skip
-        yield {k2: cols[k2].tolist() for k2 in names}
+        cols["hw_flops"] = np.full(n, 4.1e15)
+        out = {k2: cols[k2].tolist() for k2 in names}
+        if with_collectives:
+            # 4 records per rank-step, as the agent sends them: 2 gradient all-reduce buckets and an
+            # all-gather in dp, a barrier in world (every collective names its dimension)
+            r = np.tile(np.arange(ranks), k)
+            st = np.repeat(np.arange(lo, lo + k), ranks)
+            tot = (0.3 * jitter + wait).ravel()
+            exp_ = exposed.ravel()
+            t0 = np.repeat(start, ranks)
+            recs = [(0, "all_reduce", 400 << 20, 16, 0.7, "dp"), (1, "all_reduce", 25 << 20, 4, 0.2, "dp"),
+                    (2, "all_gather", 4 << 20, 1, 0.08, "dp"), (3, "barrier", 0, 1, 0.02, "world")]
+            m = len(recs)
+            out_c = {
+                "rank": np.repeat(r, m).tolist(), "step": np.repeat(st, m).tolist(),
+                "seq": np.tile([x[0] for x in recs], n).tolist(), "op": [x[1] for x in recs] * n,
+                "group_size": [ranks] * (n * m), "bytes": np.tile([x[2] for x in recs], n).tolist(),
+                "calls": np.tile([x[3] for x in recs], n).tolist(),
+                "total_s": (np.repeat(tot, m) * np.tile([x[4] for x in recs], n)).tolist(),
+                "exposed_s": (np.repeat(exp_, m) * np.tile([x[4] for x in recs], n)).tolist(),
+                "start_ts": np.repeat(t0, m).tolist(), "dim": [x[5] for x in recs] * n,
+            }
+            yield out, out_c
+        else:
+            yield out, None
 
 
-def load_big_run(base: str, ranks: int, steps: int, straggler: int) -> int:
+def load_big_run(base: str, ranks: int, steps: int, straggler: int, with_collectives: bool = False) -> int:
     c = Client(base, timeout=300)
     rid = c.register_run({"name": "big", "model_family": "llm-70b", "world_size": ranks, "device_type": "H100",
                           "peak_flops": 989e12, "config": {"tp": 1}, "meta": {"flops_source": "estimated"}})
     hosts = [{"rank": r, "host": f"node{r // 8:04d}", "node": f"node{r // 8:04d}", "local_rank": r % 8}
              for r in range(ranks)]
     t0 = time.monotonic()
-    chunk = max(1, 60_000 // ranks)
-    for i, cols in enumerate(big_run_batches(ranks, steps, straggler, chunk)):
+    chunk = max(1, (15_000 if with_collectives else 60_000) // ranks)
+    for i, (cols, colls) in enumerate(big_run_batches(ranks, steps, straggler, chunk, with_collectives=with_collectives)):
         batch: dict[str, Any] = {"v": 1, "run_id": rid, "rank_steps": cols}
+        if colls is not None:
+            batch["collectives"] = colls
         if i == 0:
             batch["ranks"] = hosts
         c.ingest(batch)
@@ -183,6 +210,33 @@ def time_analysis(base: str, url: str, rid: int, straggler: int) -> None:
             reports.stragglers(eng, rid)
 
         figure("run_stragglers_latency_uncached", _timed(stragglers_uncached, 7) * 1e3, "ms")
+
+        # the summary cold (every process cache cleared; the run_stats figures row stays), and what
+        # each field group adds: each timed cold on its own
+        from fleetscope.server.reports import runs as rr
+
+        def cold_summary() -> None:
+            reports.clear_caches()
+            reports.run_summary(eng, rid)
+
+        figure("summary_latency_cold", _timed(cold_summary, 3) * 1e3, "ms")
+        run0 = run_store.get_run(eng, rid)
+        assert run0 is not None
+        fig0 = reports.figures(eng, [run0])[rid]
+
+        def field(name: str, fn: Any) -> None:
+            def cold() -> None:
+                reports.clear_caches()
+                fn()
+
+            figure(f"summary_field_{name}_cold", _timed(cold, 3) * 1e3, "ms")
+
+        field("comm_by_dim_pipeline_phases_seqlen", lambda: rr._parallel(eng, run0, fig0))
+        field("compile", lambda: rr.run_compile(eng, rid))
+        field("token_balance", lambda: rr.run_token_balance(eng, run0))
+        field("network", lambda: rr.run_network(eng, run0, rr._stragglers(eng, run0, fig0)))
+        field("overlap_advice", lambda: rr.run_overlap_advice(
+            eng, run0, fig0, rr.summary_bottlenecks(rr._bottlenecks(eng, run0, fig0))))
         figure("run_stragglers_latency_cached", _timed(lambda: reports.stragglers(eng, rid), 7) * 1e3, "ms")
         figure("run_bottlenecks_latency", _timed(lambda: reports.bottlenecks(eng, rid), 5) * 1e3, "ms")
         figure("run_goodput_latency", _timed(lambda: reports.goodput(eng, rid), 5) * 1e3, "ms")
@@ -251,6 +305,8 @@ def main() -> None:
     ap.add_argument("--sim-steps", type=int, default=30, help="steps sent by simulate --straggler")
     ap.add_argument("--straggler", type=int, default=317)
     ap.add_argument("--database-url", default=None, help="an empty Postgres database (default: embedded)")
+    ap.add_argument("--collectives", action="store_true",
+                    help="the large run also carries 4 collective records per rank-step, each naming its dimension")
     args = ap.parse_args()
 
     pg = None
@@ -269,7 +325,7 @@ def main() -> None:
     proc, base = start_server(url)
     try:
         simulate_straggler(base, args.ranks, args.sim_steps, args.straggler)
-        rid = load_big_run(base, args.ranks, args.steps, args.straggler)
+        rid = load_big_run(base, args.ranks, args.steps, args.straggler, with_collectives=args.collectives)
         time_analysis(base, url, rid, args.straggler)
         time_fold(url, args.ranks)
     finally:

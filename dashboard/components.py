@@ -31,7 +31,7 @@ def md_escape(text: object) -> str:
     return "".join("\\" + ch if ch in _MD_SPECIAL else ch for ch in str(text).replace("\n", " "))
 
 NAV = (("Fleet", "/"), ("Scaling", "/scaling"), ("Compare", "/compare"), ("Regressions", "/regressions"),
-       ("Benchmarks", "/benchmarks"))
+       ("Cluster", "/cluster"), ("Benchmarks", "/benchmarks"))
 
 #: clientside: write the page's state into the URL query without a navigation (history.replaceState),
 #: so a copied link reproduces the view; takes a list of [key, value] pairs as the first argument

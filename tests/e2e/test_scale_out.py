@@ -100,7 +100,7 @@ def _wait_exact(url: str, want: dict[str, tuple[int, int, float]], timeout: floa
 
 
 def test_two_serve_processes_compact_in_parallel_and_exactly(db_url: str, tmp_path: Path) -> None:
-    from tests.conftest import free_port, wait_healthy
+    from conftest import free_port, wait_healthy
 
     subprocess.run([*FS, "db", "upgrade", "--database-url", db_url], check=True, capture_output=True, timeout=120)
     tok = subprocess.run([*FS, "token", "create", "--name", "so", "--database-url", db_url],
@@ -126,7 +126,7 @@ def test_two_serve_processes_compact_in_parallel_and_exactly(db_url: str, tmp_pa
 
 
 def test_compaction_workers_compact_off_the_serving_process(db_url: str, tmp_path: Path) -> None:
-    from tests.conftest import free_port, wait_healthy
+    from conftest import free_port, wait_healthy
 
     subprocess.run([*FS, "db", "upgrade", "--database-url", db_url], check=True, capture_output=True, timeout=120)
     tok = subprocess.run([*FS, "token", "create", "--name", "so", "--database-url", db_url],

@@ -99,7 +99,7 @@ def test_cli_previews_then_applies(live_server: Any, engine: Any) -> None:
 
 
 def test_the_server_applies_the_policy_itself(db_url: str, engine: Any) -> None:
-    from tests.conftest import start_server
+    from conftest import start_server
 
     srv = start_server(db_url, retention_blocks_days=7, retention_interval_s=0.2)
     try:

@@ -268,6 +268,8 @@ def outage(tmp: Path, args: argparse.Namespace) -> None:
         proc.wait(steps * 2 + 600)
         want = {name: 8 * steps}
         got = _wait_stored(srv, token, want)
+        if proc.returncode:
+            print((tmp / f"{name}.log").read_text()[-2500:], file=sys.stderr)
         _report("fault_server_outage", want, got,
                 f"server down {args.outage_s} s; sender RSS growth {(peak_rss - rss0) / 2**20:.1f} MiB; spool peak "
                 f"{peak_spool / 2**20:.1f} MiB; all delivered {time.monotonic() - back:.0f} s after restart; "

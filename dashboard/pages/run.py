@@ -92,6 +92,7 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
     return html.Div([
         dcc.Store(id=RUN, data=rid), dcc.Store(id=URL),
         page_header(run["name"], sub, right),
+        _thinned_note(run.get("thinned")),
         loading(kpi_strip([], kid=KPIS)),
         section("What to fix first", loading(html.Div(id=BOTTLENECK_TEXT))),
         section(None, loading(graph(DECOMPOSITION))),
@@ -117,6 +118,19 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
         loading(html.Div(id=EXTRAS)),
         section("Config", loading(html.Div(id=CONFIG))),
     ], className="fs-run")
+
+
+def _thinned_note(thinned: dict[str, Any] | None) -> html.Div | None:
+    """What retention removed from this run (docs/architecture.md, "Retention"), above everything."""
+    if not thinned:
+        return None
+    parts = []
+    if "rollups" in thinned:
+        parts.append(f"its per-step rows on {fmt_time(thinned['rollups'])}: the per-step charts and heatmap are empty")
+    if "blocks" in thinned:
+        parts.append(f"its per-rank data on {fmt_time(thinned['blocks'])}: the heatmap and per-rank collectives are empty")
+    return html.Div("Retention removed " + "; and ".join(parts) + ". The run's figures and summary are kept.",
+                    id="run-thinned", className="fs-thinned")
 
 
 def _findings(summary: dict[str, Any], ranking: list[dict[str, Any]]) -> list[str]:

@@ -112,3 +112,27 @@ def test_the_server_applies_the_policy_itself(db_url: str, engine: Any) -> None:
             assert set(c.summary(rid)["run"]["thinned"] or {}) == {"blocks"}
     finally:
         srv.stop()
+
+
+def test_the_run_page_says_what_was_thinned(live_server: Any, engine: Any) -> None:
+    import httpx
+
+    from fleetscope.server import retention
+
+    with live_server.client() as c:
+        rid = _load(c, "page-thinned", "a", 40, engine)
+        live_server.compact()
+    retention.apply(engine, _settings(live_server.db_url, retention_blocks_days=7, retention_rollups_days=30))
+    # the page layout is built per request from the run: the note is in it
+    from fleetscope.dashboard import _state
+    from fleetscope.dashboard.pages import run as run_page
+
+    assert httpx.get(f"{live_server.url}/run/{rid}", timeout=30).status_code == 200
+    old = _state.engine
+    try:
+        _state.engine = lambda: engine  # type: ignore[assignment]
+        layout = run_page.layout(run_id=str(rid))
+    finally:
+        _state.engine = old  # type: ignore[assignment]
+    flat = str(layout.to_plotly_json())
+    assert "run-thinned" in flat and "Retention removed its per-step rows" in flat

@@ -116,7 +116,6 @@ def test_the_server_applies_the_policy_itself(db_url: str, engine: Any) -> None:
 
 def test_the_run_page_says_what_was_thinned(live_server: Any, engine: Any) -> None:
     import httpx
-
     from fleetscope.server import retention
 
     with live_server.client() as c:

@@ -16,8 +16,10 @@ Cost = median step time minus plain's median in the same round. Prints ``name: v
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -71,6 +73,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3000)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="fs-zc-")
+    atexit.register(shutil.rmtree, tmp, True)  # the spool goes with the run
     env = {**os.environ, "FLEETSCOPE_OFFLINE": "1", "FLEETSCOPE_SPOOL_DIR": os.path.join(tmp, "spool"),
            "FLEETSCOPE_RUN_NAME": "bench-zerocode", "OMP_NUM_THREADS": "1"}
     res: dict[str, list[tuple[float, float]]] = {"plain": [], "manual": [], "zerocode": []}

@@ -231,7 +231,7 @@ def time_analysis(base: str, url: str, rid: int, straggler: int) -> None:
 
             figure(f"summary_field_{name}_cold", _timed(cold, 3) * 1e3, "ms")
 
-        field("comm_by_dim_pipeline_phases_seqlen", lambda: rr._parallel(eng, run0, fig0))
+        field("comm_by_dim_pipeline_phases_seqlen", lambda: rr.parallel_summary(eng, run0, fig0))
         field("compile", lambda: rr.run_compile(eng, rid))
         field("token_balance", lambda: rr.run_token_balance(eng, run0))
         field("network", lambda: rr.run_network(eng, run0, rr._stragglers(eng, run0, fig0)))

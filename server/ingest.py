@@ -194,9 +194,10 @@ class IngestService:
 
     def _write(self, b: ValidBatch) -> None:
         t0 = time.perf_counter()
-        dims = dim_names(b)
+        codes, dims = dim_column(b)
         new_dims = [(c, n) for c, n in dims.items() if (b.run_id, c) not in self._dims_known]
-        landing.land_batch(self.engine, b.run_id, fragment=encode_fragment(b), modality_tokens=b.modality_tokens or None,
+        landing.land_batch(self.engine, b.run_id, fragment=encode_fragment(b, codes),
+                           modality_tokens=b.modality_tokens or None,
                            ranks=b.ranks, phases=b.phases or None, events=b.events, dims=new_dims)
         if new_dims:
             if len(self._dims_known) > 100_000:
@@ -205,22 +206,21 @@ class IngestService:
         log.debug("wrote batch run=%s records=%d in %.1f ms", b.run_id, b.n_records, (time.perf_counter() - t0) * 1e3)
 
 
-def dim_codes(names: np.ndarray) -> np.ndarray:
-    """The stored codes of a collectives' dim column (None → 0, unknown)."""
-    codes = {v: (dim_code(v) if v is not None else 0) for v in set(names.tolist())}
-    return np.fromiter((codes[v] for v in names.tolist()), dtype=np.int32, count=len(names))
-
-
-def dim_names(b: ValidBatch) -> dict[int, str]:
-    """{code: name} of the dimensions a batch's collectives name."""
+def dim_column(b: ValidBatch) -> tuple[np.ndarray | None, dict[int, str]]:
+    """The stored codes of a batch's collectives' ``dim`` column (None → 0, unknown) and {code: name}
+    of the dimensions it names — one pass over the column; (None, {}) without that column."""
     cs = b.collectives
     if not cs or "dim" not in cs:
-        return {}
-    return {dim_code(v): v for v in set(cs["dim"].tolist()) if v is not None}
+        return None, {}
+    values = cs["dim"].tolist()
+    codes = {v: (dim_code(v) if v is not None else 0) for v in set(values)}
+    arr = np.fromiter((codes[v] for v in values), dtype=np.int32, count=len(values))
+    return arr, {c: v for v, c in codes.items() if v is not None}
 
 
-def encode_fragment(b: ValidBatch) -> tuple[int, int, int, int, bytes | None, bytes | None] | None:
-    """A batch's rank-steps and collectives as compressed columnar blocks (one landing row)."""
+def encode_fragment(b: ValidBatch, dim_codes: np.ndarray | None = None) -> tuple[int, int, int, int, bytes | None, bytes | None] | None:
+    """A batch's rank-steps and collectives as compressed columnar blocks (one landing row);
+    ``dim_codes``: the collectives' dim column as stored (``dim_column``; None: computed here)."""
     rs, cs = b.rank_steps, b.collectives
     if not rs and not cs:
         return None
@@ -238,7 +238,9 @@ def encode_fragment(b: ValidBatch) -> tuple[int, int, int, int, bytes | None, by
         n_cs = len(cs["rank"])
         nan = np.full(n_cs, np.nan)
         cols = {name: cs.get(name, nan) for name, _ in FRAG_COLL_FIELDS}
-        cols["dim"] = dim_codes(cs["dim"]) if "dim" in cs else np.zeros(n_cs, dtype=np.int32)
+        if dim_codes is None:
+            dim_codes = dim_column(b)[0]
+        cols["dim"] = dim_codes if dim_codes is not None else np.zeros(n_cs, dtype=np.int32)
         cs_blob = encode_block(FRAG_COLL_FIELDS, cols, compress=True)
         steps_all.append(cs["step"])
     st = np.concatenate(steps_all)

@@ -15,7 +15,7 @@ from ..downsample import mean_buckets, minmax_series, sum_buckets
 from ..store import collectives, steps
 from ..store import runs as run_store
 from . import _cache
-from .runs import collective_efficiency, run_summary, stragglers
+from .runs import collective_efficiency, figures, parallel_summary, run_summary, stragglers
 
 __all__ = [
     "run_page_summary",
@@ -163,9 +163,8 @@ def comm_dim_series(engine: Engine, run_id: int, *, max_points: int = 600) -> di
 
 
 def comm_by_dim_of_runs(engine: Engine, run_ids: list[int]) -> dict[int, dict[str, dict[str, float]]]:
-    """``comm_by_dim`` of each run (the summary's figure), for the compare and scaling pages."""
-    out: dict[int, dict[str, dict[str, float]]] = {}
-    for rid in run_ids:
-        s = run_summary(engine, rid)
-        out[rid] = s["comm_by_dim"] if s is not None else {}
-    return out
+    """``comm_by_dim`` of each run (the summary's figure), for the compare and scaling pages: only the
+    parallelism part of the summary (cached per run version), not the whole summary of every run."""
+    runs = run_store.runs_by_ids(engine, run_ids)
+    figs = figures(engine, list(runs.values()))
+    return {rid: (parallel_summary(engine, runs[rid], figs[rid])["comm_by_dim"] if rid in runs else {}) for rid in run_ids}

@@ -151,7 +151,7 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
     fig = figures(engine, [run])[run.id]
     meta = run.meta or {}
     d = run.as_dict()
-    par = dict(_parallel(engine, run, fig))
+    par = dict(parallel_summary(engine, run, fig))
     return {
         "run": d,
         "rank_steps": d["rank_steps"],
@@ -187,7 +187,7 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
 _PIPELINE_STEPS = 200  # recent steps the per-stage figures are taken over
 
 
-def _parallel(engine: Engine, run: RunRow, fig: RunFigures) -> dict[str, Any]:
+def parallel_summary(engine: Engine, run: RunRow, fig: RunFigures) -> dict[str, Any]:
     """``comm_by_dim``, ``pipeline`` and ``parallel_findings`` of the summary (``analysis.parallel``)."""
 
     def compute() -> dict[str, Any]:

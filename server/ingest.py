@@ -16,6 +16,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -158,7 +159,7 @@ class IngestService:
         self._world.pop(run_id, None)
 
     def ingest_body(self, body: bytes, content_type: str | None, content_encoding: str | None, *,
-                    max_decoded: int) -> IngestResult:
+                    max_decoded: int, authorize: Callable[[int], None] | None = None) -> IngestResult:
         """One batch as received: admitted (backlog, then a writer slot) BEFORE it is decompressed and
         parsed, so a burst of decode-heavy bodies queues or gets 429/503 instead of costing memory."""
         if self.backlog_rows > self.backlog_max_rows:
@@ -166,16 +167,22 @@ class IngestService:
         with self.admission:
             doc = decode_body(body, content_type, content_encoding, max_decoded=max_decoded)
             del body
-            return self._ingest(doc)
+            return self._ingest(doc, authorize)
 
-    def ingest(self, doc: Any) -> IngestResult:
+    def ingest(self, doc: Any, authorize: Callable[[int], None] | None = None) -> IngestResult:
         """Validate and write one decoded batch (all or nothing)."""
         if self.backlog_rows > self.backlog_max_rows:
             raise Overloaded(429, "compaction backlog", 2)
         with self.admission:
-            return self._ingest(doc)
+            return self._ingest(doc, authorize)
 
-    def _ingest(self, doc: Any) -> IngestResult:
+    def _ingest(self, doc: Any, authorize: Callable[[int], None] | None = None) -> IngestResult:
+        """``authorize(run_id)`` raises (a BatchError with status 403) when the caller may not write that
+        run; it is called before the batch is validated, so nothing of a refused batch is looked at."""
+        if authorize is not None and isinstance(doc, dict):
+            rid = doc.get("run_id")
+            if isinstance(rid, int) and not isinstance(rid, bool):
+                authorize(rid)
         batch = validate_batch(doc, self.world_size_of)
         if batch.n_records > self.max_batch_records:
             raise BatchError("batch", f"has {batch.n_records} records; the limit is {self.max_batch_records}", status=413)

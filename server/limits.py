@@ -1,0 +1,41 @@
+"""Server-side bounds on everything a run may store, in one place.
+
+The agent keeps most of these itself; the server enforces them too, because a client that is not our
+agent (or a job at a scale nobody tried) must not be able to make a read unbounded. Each bound is
+either refused at ingest with a 4xx that names it, or folded and counted (the record is kept in a
+bounded form and the run says how much was folded). docs/security.md has the table; a test checks
+that every name here appears there.
+"""
+
+from __future__ import annotations
+
+#: run_events rows one run may hold (all kinds together); beyond it events are dropped and counted
+MAX_EVENTS_PER_RUN = 50_000
+#: run_events rows of one kind one run may hold; beyond it that kind's events are dropped and counted
+MAX_EVENTS_PER_KIND = 20_000
+#: JSON values in one event's ``data`` (every scalar, list and object counts as one)
+MAX_EVENT_VALUES = 1_000
+#: distinct process groups (``comm_group``) one run may describe; a group is stored once, not per rank
+MAX_GROUPS_PER_RUN = 16_384
+#: ranks listed explicitly in one group description (a longer group is sent as start/stride/size)
+MAX_GROUP_RANKS_LISTED = 16_384
+#: custom phase names per run (the agent's own limit); further names fold into ``other``
+MAX_PHASE_NAMES_PER_RUN = 32
+#: distinct node / host names one run may report; further ranks' names are dropped and counted
+MAX_NODES_PER_RUN = 32_768
+#: characters kept of a reason (recompile, graph break, exception message); longer ones are cut, marked "…"
+MAX_REASON_CHARS = 512
+#: collective records of one rank in one step
+MAX_COLLECTIVES_PER_RANK_STEP = 8_192
+#: kernel names kept per uploaded trace summary (the rest is summed into one "other" row)
+MAX_KERNELS_PER_TRACE = 1_000
+#: bins of one histogram (sequence lengths: log2 bins)
+MAX_HIST_BINS = 64
+#: largest count in one histogram bin (finite, non-negative)
+MAX_HIST_COUNT = 1e15
+#: pipeline stages of one run
+MAX_PIPELINE_STAGES = 4_096
+#: micro-batches per pipeline schedule step
+MAX_MICROBATCHES = 65_536
+#: rows any list endpoint returns at most in one page
+MAX_PAGE_ROWS = 1_000

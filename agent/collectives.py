@@ -170,17 +170,40 @@ def _group_ranks(group: Any) -> list[int] | None:
         return None
 
 
+#: ranks one ``comm_group`` event lists at most (the server's ``MAX_GROUP_RANKS_LISTED``); a group whose
+#: ranks are an arithmetic progression (every DeviceMesh group) is sent as start/stride/size instead
+MAX_GROUP_RANKS_LISTED = 16_384
+
+
+def group_members(ranks: list[int]) -> dict[str, Any]:
+    """How a group's sorted global ranks travel: ``{"start", "stride"}`` when they are an arithmetic
+    progression (exact for any size), else ``{"ranks": [...]}`` with at most MAX_GROUP_RANKS_LISTED."""
+    if len(ranks) == 1:
+        return {"start": ranks[0], "stride": 1}
+    if len(ranks) >= 2:
+        stride = ranks[1] - ranks[0]
+        if stride > 0 and all(b - a == stride for a, b in zip(ranks, ranks[1:], strict=False)):
+            return {"start": ranks[0], "stride": stride}
+    return {"ranks": ranks[:MAX_GROUP_RANKS_LISTED]}
+
+
 def _describe(group: Any, n: int, dim: str) -> None:
-    """One ``comm_group`` event per group this rank uses: its dimension, size and global ranks (at
-    most 256 listed), so the server can tell whether the group spans nodes."""
-    run = _run
-    name = _group_name(group) or dim
-    if run is None or name in _labels_sent or len(_labels_sent) >= 64:
-        return
-    _labels_sent.add(name)
-    ranks = _group_ranks(group) or []
+    """One ``comm_group`` event per group this rank uses: its dimension, size and global ranks (as
+    start/stride, or listed: ``group_members``), so the server can tell whether the group spans nodes.
+    Never raises: the training loop does not see a failure here."""
     try:
-        run._event("comm_group", None, {"dim": dim, "size": n, "ranks": ranks[:256], "group": name[:64]})
+        run = _run
+        name = _group_name(group) or dim
+        if run is None or name in _labels_sent or len(_labels_sent) >= 64:
+            return
+        _labels_sent.add(name)
+        ranks = _group_ranks(group) or []
+        data: dict[str, Any] = {"dim": dim, "size": n, "group": name[:64]}
+        if ranks and len(ranks) == n:
+            data.update(group_members(ranks))
+        elif ranks and len(ranks) < n:  # not the whole group: listed as it is
+            data["ranks"] = ranks[:MAX_GROUP_RANKS_LISTED]
+        run._event("comm_group", None, data)
     except Exception as e:  # noqa: BLE001
         log.debug("fleetscope: comm_group event failed (%r)", e)
 

@@ -85,7 +85,18 @@ def main() -> None:
     ap.add_argument("--bodies", type=int, default=12, help="unauthenticated 100 MB bodies (4 at a time)")
     ap.add_argument("--bombs", type=int, default=12, help="gzip-bomb batches with a valid token (4 at a time)")
     ap.add_argument("--seconds", type=float, default=20.0, help="upper bound on each phase")
+    ap.add_argument("--bounds", action="store_true", help="instead: every stored quantity at its bound "
+                    "(bench/edge_bounds.py): peak memory, slowest read and page")
+    ap.add_argument("--before", help="with --bounds: an older build's `fleetscope` to compare the group-event case")
+    ap.add_argument("--ranks", type=int, default=16_384, help="with --bounds: ranks of the group-event job")
+    ap.add_argument("--no-browser", action="store_true", help="with --bounds: skip the page timings")
     args = ap.parse_args()
+    if args.bounds:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import edge_bounds
+
+        edge_bounds.main(args)
+        return
 
     tmp = Path(tempfile.mkdtemp(prefix="fs-edge-", dir="/tmp"))
     port = _free_port()

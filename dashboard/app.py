@@ -29,7 +29,7 @@ def build_dash() -> Any:
         import dash
         from dash import dcc, html
 
-        from .components import navbar
+        from .components import contained, navbar, page_header, render_error
 
         app = dash.Dash(
             __name__,
@@ -47,7 +47,15 @@ def build_dash() -> Any:
         for mod in (fleet, run, scaling, compare, regressions, benchmarks, cluster, not_found_404):
             entry = dash.page_registry.get(mod.__name__)
             if entry is not None and not entry.get("supplied_layout"):
-                entry["layout"] = mod.layout  # what Dash does for modules it imports from a pages folder itself
+                # what Dash does for modules it imports from a pages folder itself; a layout that fails (data
+                # it did not expect) shows the page's title and "could not render: <reason>", logged, not a 500
+                name = str(entry.get("name") or mod.__name__)
+
+                def failed_page(why: str, *_: Any, _name: str = name, **__: Any) -> Any:
+                    return html.Div([page_header(_name), render_error(why, what="this page")])
+
+                entry["layout"] = contained(f"the {name} page", fallback=failed_page,
+                                            key=lambda *_, **kw: ", ".join(f"{k}={v!r}" for k, v in kw.items()))(mod.layout)
         app.layout = html.Div(
             [navbar(), html.Main(dash.page_container, className="fs-main"), dcc.Store(id="fs-tz", data="UTC")],
             className="fs-root",

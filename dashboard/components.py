@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from dash import dcc, html
+import dash
+from dash import Output, dcc, html
+from dash.exceptions import PreventUpdate
+
+from .figures import failed_figure, reason
 
 __all__ = [
     "navbar",
@@ -20,7 +26,12 @@ __all__ = [
     "status_badge",
     "URL_SYNC_JS",
     "md_escape",
+    "render_error",
+    "contained",
+    "callback",
 ]
+
+log = logging.getLogger("fleetscope.dashboard")
 
 _MD_SPECIAL = "\\`*_{}[]()#+-.!|<>~"
 
@@ -133,3 +144,93 @@ def simple_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, tid: 
 def status_badge(status: str | None) -> html.Span:
     s = status or "unknown"
     return html.Span(s, className=f"fs-badge fs-badge-{s}")
+
+
+# --- containment: one run's odd data costs one panel, row or chart, never the page -------------------------
+
+ERROR_STYLE = {"color": "#b42318", "fontSize": "12px", "padding": "4px 0"}
+
+
+def render_error(why: str, *, what: str | None = None) -> html.Div:
+    """The small note a panel (or a page, or a fleet row's cell) shows instead of itself when its
+    builder failed: "could not render: <reason>". Dash components escape their text."""
+    return html.Div(f"could not render{' ' + what if what else ''}: {why}", className="fs-render-error",
+                    style=ERROR_STYLE)
+
+
+def contained(what: str, fallback: Callable[..., Any] | None = None,
+              key: Callable[..., Any] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator for a builder of one part of a page (a panel, a table, a fleet row, a page layout):
+    any exception is logged (``logging.exception``: ``what``, and ``key(*args)`` — e.g. the run — when
+    given) and the builder returns ``fallback(reason, *args, **kwargs)`` instead — by default
+    ``render_error(reason)``. ``PreventUpdate`` passes through."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except PreventUpdate:
+                raise
+            except Exception as e:
+                try:
+                    ctx = f" ({key(*args, **kwargs)})" if key is not None else ""
+                except Exception:
+                    ctx = ""
+                log.exception("dashboard: %s could not render%s", what, ctx)
+                why = reason(e)
+                return fallback(why, *args, **kwargs) if fallback is not None else render_error(why)
+
+        return wrapper
+
+    return deco
+
+
+def _outputs(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[list[Output], bool]:
+    """The callback's outputs in order, and whether it returns a single value (one bare Output)."""
+    given = kwargs.get("output", [a for a in args if isinstance(a, (Output, list, tuple))
+                                  and (isinstance(a, Output) or all(isinstance(o, Output) for o in a))])
+    if isinstance(given, Output):
+        return [given], True
+    flat: list[Output] = []
+    for g in given:
+        flat += [g] if isinstance(g, Output) else list(g)
+    single = len(given) == 1 and isinstance(given[0], Output)
+    return flat, single
+
+
+def _on_error(out: Output, why: str) -> Any:
+    prop = out.component_property
+    if prop == "figure":
+        return failed_figure(why)
+    if prop == "children":
+        return render_error(why)
+    return dash.no_update
+
+
+def callback(*args: Any, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``dash.callback`` whose failure stays in its own outputs: an exception (a run's data the page
+    did not expect) is logged with the callback and its inputs (``logging.exception``) and each output
+    gets its error form — a chart the "could not render: <reason>" figure, a panel (``children``) the
+    note, anything else left as it is — instead of an HTTP 500 that leaves the section (or, for the
+    fleet, the whole page) blank. Pages register their callbacks through this."""
+    outputs, single = _outputs(args, kwargs)
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        name = f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}"
+
+        @functools.wraps(fn)
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            try:
+                return fn(*a, **kw)
+            except PreventUpdate:
+                raise
+            except Exception as e:
+                log.exception("dashboard: callback %s could not render (inputs %.200r)", name, a)
+                why = reason(e)
+                vals = [_on_error(o, why) for o in outputs]
+                return vals[0] if single else tuple(vals)
+
+        return dash.callback(*args, **kwargs)(wrapper)
+
+    return deco

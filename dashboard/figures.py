@@ -14,7 +14,9 @@ every page; a chart built from reduced data says so in its title.
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
+import functools
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,10 @@ import numpy as np
 from .theme import COMPONENT_COLORS, COMPONENT_LABELS, FONT, SERIES_COLORS, fmt_bytes, time_unit, to_utc
 
 __all__ = [
+    "plain",
+    "reason",
+    "guarded",
+    "failed_figure",
     "empty_figure",
     "decomposition_figure",
     "heatmap_figure",
@@ -48,6 +54,29 @@ __all__ = [
 ]
 
 Fig = dict[str, Any]
+log = logging.getLogger("fleetscope.dashboard")
+
+#: what plotly.js reads as markup in any text it draws (titles, legends, tick labels, annotations, hover
+#: labels: a subset of HTML — <a href>, <b>, <br>, <span style> … — and &entities;); quotes as numeric
+#: entities (plotly.js decodes &#34; but not &quot;)
+_PLAIN = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&#34;", "'": "&#39;"})
+
+
+def plain(s: Any, *, template: bool = False) -> str:
+    """User text (a run name, family, dimension, modality, host, benchmark, phase, config value …) as
+    Plotly text: ``&``, ``<``, ``>`` and quotes HTML-escaped, so plotly.js draws it literally instead of
+    making an ``<a href>`` a live link or ``<b>`` bold. ``template``: the text goes into a
+    ``hovertemplate`` literal, so ``%`` is escaped too (``%{…}`` would be substituted). Every place user
+    text enters a figure goes through this: trace names, category values on axes, hover text and
+    customdata, titles, annotations."""
+    out = ("" if s is None else str(s)).translate(_PLAIN)
+    return out.replace("%", "&#37;") if template else out
+
+
+def reason(e: BaseException, limit: int = 160) -> str:
+    """A short, one-line reason for a failure, as a "could not render" note shows it."""
+    msg = " ".join(f"{type(e).__name__}: {e}".split())
+    return msg if len(msg) <= limit else msg[: limit - 1] + "…"
 _COMPONENTS = ("data_s", "compute_s", "comm_exposed_s", "other_s")
 _GRID = "#E6E8EB"
 _MUTED = "#5b6370"
@@ -79,7 +108,7 @@ def _axis(**kw: Any) -> dict[str, Any]:
     out = dict(_AXIS)
     title = kw.pop("title", None)
     if title is not None:
-        out["title"] = {"text": title}
+        out["title"] = {"text": plain(title)}
     out.update(kw)
     return out
 
@@ -87,10 +116,11 @@ def _axis(**kw: Any) -> dict[str, Any]:
 def _layout(title: str, *, height: int = 300, legend: bool = True, note: str | None = None, x: Any = None,
             y: Any = None, hovermode: str = "x unified", **extra: Any) -> dict[str, Any]:
     # title and subtitle in the top margin; plotly.js places a title with a subtitle itself ("auto")
-    head: dict[str, Any] = {"text": f"<b>{title}</b>", "x": 0.0, "xanchor": "left", "xref": "container",
+    # title, subtitle and axis titles are plain text (a benchmark's name, a configuration, a unit): escaped here
+    head: dict[str, Any] = {"text": f"<b>{plain(title)}</b>", "x": 0.0, "xanchor": "left", "xref": "container",
                             "pad": {"l": 4}, "font": {"size": 13}}
     if note:
-        head["subtitle"] = {"text": note, "font": {"size": 11, "color": _MUTED}}
+        head["subtitle"] = {"text": plain(note), "font": {"size": 11, "color": _MUTED}}
     lay: dict[str, Any] = {
         "title": head,
         "height": height,
@@ -123,13 +153,37 @@ def aggregation_note(factor: int, what: str = "steps", how: str = "min/max") -> 
 def empty_figure(message: str, *, height: int = 260) -> Fig:
     """A blank chart with a centred explanation (never a silently empty axis)."""
     return {"data": [], "layout": {
-        "annotations": [{"text": message, "showarrow": False, "x": 0.5, "y": 0.5, "xref": "paper", "yref": "paper",
+        "annotations": [{"text": plain(message), "showarrow": False, "x": 0.5, "y": 0.5, "xref": "paper", "yref": "paper",
                          "font": {"size": 12, "color": _MUTED}}],
         "xaxis": {"visible": False}, "yaxis": {"visible": False}, "height": height,
         "margin": {"l": 10, "r": 10, "t": 10, "b": 10}, "plot_bgcolor": "white", "paper_bgcolor": "white",
         "font": {"family": FONT}}}
 
 
+def failed_figure(why: str, *, height: int = 260) -> Fig:
+    """What a chart shows when its builder failed: a small "could not render: <reason>" note in place
+    of the chart (the failure is logged; the page's other charts and runs are unaffected)."""
+    fig = empty_figure(f"could not render: {why}", height=height)
+    fig["layout"]["annotations"][0]["font"]["color"] = "#b42318"
+    return fig
+
+
+def guarded(fn: Callable[..., Fig]) -> Callable[..., Fig]:
+    """A figure builder that never raises: on any exception it logs it (``logging.exception``) and
+    returns ``failed_figure`` with the reason, so one run's odd data costs one chart, never the page."""
+
+    @functools.wraps(fn)
+    def builder(*args: Any, **kwargs: Any) -> Fig:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            log.exception("dashboard: figure %s could not render", fn.__name__)
+            return failed_figure(reason(e))
+
+    return builder
+
+
+@guarded
 def decomposition_figure(series: dict[str, Any]) -> Fig:
     """Stacked step-time components of the median rank over steps, and the slowest rank's step time."""
     dec = series.get("decomposition")
@@ -150,6 +204,7 @@ def decomposition_figure(series: dict[str, Any]) -> Fig:
                                             y=_axis(title=f"time per step ({unit})", rangemode="tozero"))}
 
 
+@guarded
 def heatmap_figure(hm: dict[str, Any] | None) -> Fig:
     """Ranks × steps heatmap; says how many steps and ranks each cell aggregates and how."""
     if not hm or hm["values"].size == 0:
@@ -161,7 +216,8 @@ def heatmap_figure(hm: dict[str, Any] | None) -> Fig:
     where = "step %{x}" + (f" (+{sf - 1})" if sf > 1 else "") + " · rank %{y}" + (f" (+{rf - 1})" if rf > 1 else "")
     trace = {"type": "heatmap", "z": _f(z, mult), "x": _arr(np.asarray(hm["step_lo"])), "y": _arr(y),
              "colorscale": "Viridis", "colorbar": {"title": {"text": unit, "side": "right"}, "thickness": 10},
-             "hovertemplate": f"{where}<br>{hm['how'] + ' ' if (rf > 1 or sf > 1) else ''}%{{z:.3g}} {unit}<extra></extra>",
+             "hovertemplate": f"{where}<br>{plain(hm['how'], template=True) + ' ' if (rf > 1 or sf > 1) else ''}%{{z:.3g}} {unit}"
+                              "<extra></extra>",
              "hoverongaps": False}
     if rf > 1 or sf > 1:
         note = (f"aggregated server-side: {hm['how']} of {sf} step{'s' if sf > 1 else ''} × {rf} rank{'s' if rf > 1 else ''} "
@@ -176,6 +232,7 @@ def heatmap_figure(hm: dict[str, Any] | None) -> Fig:
     return {"data": [trace], "layout": lay}
 
 
+@guarded
 def slowdown_figure(sd: dict[str, Any] | None, *, threshold: float = 1.05, top_nodes: int = 12) -> Fig:
     """Per-rank slowdown (work vs the step's median rank) and the slowest nodes."""
     if not sd or not np.asarray(sd["slowdown"]).size or np.all(np.isnan(sd["slowdown"])):
@@ -203,7 +260,7 @@ def slowdown_figure(sd: dict[str, Any] | None, *, threshold: float = 1.05, top_n
     extra: dict[str, Any] = {}
     if nodes:
         nodes = nodes[::-1]
-        data.append({"type": "bar", "x": [n["slowdown"] for n in nodes], "y": [n["node"] for n in nodes], "orientation": "h",
+        data.append({"type": "bar", "x": [n["slowdown"] for n in nodes], "y": [plain(n["node"]) for n in nodes], "orientation": "h",
                      "name": "node", "xaxis": "x2", "yaxis": "y2",
                      "marker": {"color": ["#D55E00" if n["slowdown"] > threshold else "#56B4E9" for n in nodes]},
                      "hovertemplate": "%{y}: %{x:.3f}×<extra></extra>"})
@@ -225,6 +282,7 @@ def slowdown_figure(sd: dict[str, Any] | None, *, threshold: float = 1.05, top_n
     return {"data": data, "layout": lay}
 
 
+@guarded
 def collectives_figure(rows: Sequence[dict[str, Any]]) -> Fig:
     """Bus bandwidth (GB/s) against message size per collective op; marker area ∝ time spent."""
     pts = [r for r in rows if r.get("busbw_bytes_per_s") is not None and r.get("size_bucket_bytes", 0) > 1]
@@ -236,11 +294,11 @@ def collectives_figure(rows: Sequence[dict[str, Any]]) -> Fig:
         rs = sorted((r for r in pts if r["op"] == op), key=lambda r: r["size_bucket_bytes"])
         data.append({
             "type": "scatter", "x": [r["size_bucket_bytes"] for r in rs], "y": [r["busbw_bytes_per_s"] / 1e9 for r in rs],
-            "name": op, "mode": "lines+markers", "line": {"color": SERIES_COLORS[i % len(SERIES_COLORS)], "width": 1},
+            "name": plain(op), "mode": "lines+markers", "line": {"color": SERIES_COLORS[i % len(SERIES_COLORS)], "width": 1},
             "marker": {"size": [6 + 18 * (r["total_s"] / tmax) ** 0.5 for r in rs]},
             "text": [f"n={r['group_size']} · {r['calls']:,} calls · {r['total_s']:.2f} s total"
                      + (f" · {r['efficiency'] * 100:.0f} % of link peak" if r.get("efficiency") else "") for r in rs],
-            "hovertemplate": "%{x:.3s}B: %{y:.1f} GB/s<br>%{text}<extra>" + op + "</extra>",
+            "hovertemplate": "%{x:.3s}B: %{y:.1f} GB/s<br>%{text}<extra>" + plain(op, template=True) + "</extra>",
         })
     note = "busbw as NCCL-tests; size = ⌊log2 bytes per call⌋ bucket; marker area ∝ time spent"
     return {"data": data, "layout": _layout(
@@ -248,6 +306,7 @@ def collectives_figure(rows: Sequence[dict[str, Any]]) -> Fig:
         x=_axis(title="message size per call (bytes, log)", type="log"), y=_axis(title="busbw (GB/s)", rangemode="tozero"))}
 
 
+@guarded
 def memory_figure(series: dict[str, Any]) -> Fig:
     """Peak allocated and reserved device memory over steps (GB), allocator retries marked."""
     peak, res = series.get("mem_peak_bytes"), series.get("mem_reserved_bytes")
@@ -266,6 +325,7 @@ def memory_figure(series: dict[str, Any]) -> Fig:
                                             y=_axis(title="memory (GB)", rangemode="tozero"))}
 
 
+@guarded
 def throughput_figure(series: dict[str, Any]) -> Fig:
     """MFU (%) and throughput (tokens/s) over steps on two axes."""
     mfu, tps = series.get("mfu"), series.get("tokens_per_s")
@@ -288,6 +348,7 @@ def throughput_figure(series: dict[str, Any]) -> Fig:
         yaxis2=_axis(title="MFU (%)", rangemode="tozero", overlaying="y", side="right", showgrid=False))}
 
 
+@guarded
 def modality_figure(mod: dict[str, Any] | None, packing: Any = None) -> Fig:
     """Tokens per modality per step (stacked) and packing efficiency (real ÷ padded tokens)."""
     if not mod and packing is None:
@@ -299,7 +360,7 @@ def modality_figure(mod: dict[str, Any] | None, packing: Any = None) -> Fig:
             notes.append(f"tokens summed over {mod['factor']} steps per bar")
         x = _arr(np.asarray(mod["step"]))
         for i, (m, v) in enumerate(sorted(mod["tokens"].items())):
-            data.append({"type": "bar", "x": x, "y": _f(v), "name": m, "marker": {"color": SERIES_COLORS[(i + 2) % len(SERIES_COLORS)]},
+            data.append({"type": "bar", "x": x, "y": _f(v), "name": plain(m), "marker": {"color": SERIES_COLORS[(i + 2) % len(SERIES_COLORS)]},
                          "hovertemplate": "%{y:.4s} tokens"})
     if packing is not None:
         data.append({"type": "scatter", "x": _arr(np.asarray(packing.x)), "y": _f(packing.y, 100.0), "name": "packing efficiency",
@@ -317,6 +378,7 @@ def _log2_axis(sizes: Sequence[int], **kw: Any) -> dict[str, Any]:
     return _axis(type="log", tickvals=ticks, ticktext=[f"{n:,}" for n in ticks], **kw)
 
 
+@guarded
 def scaling_throughput_figure(data: dict[str, Any]) -> Fig:
     """Throughput against world size per configuration, with the ideal (linear) line."""
     cfgs = data.get("configs") or []
@@ -329,7 +391,7 @@ def scaling_throughput_figure(data: dict[str, Any]) -> Fig:
         pts = g["points"]
         xs = [p["world_size"] for p in pts]
         sizes += xs
-        traces.append({"type": "scatter", "x": xs, "y": [p["tokens_per_s"] for p in pts], "name": f"measured · {g['config']}",
+        traces.append({"type": "scatter", "x": xs, "y": [p["tokens_per_s"] for p in pts], "name": plain(f"measured · {g['config']}"),
                        "mode": "lines+markers", "line": {"color": c}, "legendgroup": str(i),
                        "hovertemplate": "n=%{x}: %{y:.4s} tokens/s<extra></extra>"})
         traces.append({"type": "scatter", "x": xs, "y": [p["ideal_tokens_per_s"] for p in pts], "name": "ideal (linear)",
@@ -341,6 +403,7 @@ def scaling_throughput_figure(data: dict[str, Any]) -> Fig:
         y=_axis(title="throughput (tokens/s, log)", type="log"))}
 
 
+@guarded
 def scaling_efficiency_figure(data: dict[str, Any]) -> Fig:
     """Scaling efficiency (%) against world size per configuration."""
     cfgs = data.get("configs") or []
@@ -353,7 +416,7 @@ def scaling_efficiency_figure(data: dict[str, Any]) -> Fig:
         xs = [p["world_size"] for p in pts]
         sizes += xs
         traces.append({"type": "scatter", "x": xs, "y": [p["efficiency"] * 100 if p.get("efficiency") is not None else None for p in pts],
-                       "mode": "lines+markers", "name": f"{g['mode']} · {g['config']}",
+                       "mode": "lines+markers", "name": plain(f"{g['mode']} · {g['config']}"),
                        "line": {"color": SERIES_COLORS[i % len(SERIES_COLORS)]}, "hovertemplate": "n=%{x}: %{y:.1f} %<extra></extra>"})
     return {"data": traces, "layout": _layout(
         "Scaling efficiency", height=320, note="weak: (tok/s ÷ n) ÷ (tok/s ÷ n)₀ · strong: (step₀·n₀) ÷ (step·n)",
@@ -361,6 +424,7 @@ def scaling_efficiency_figure(data: dict[str, Any]) -> Fig:
         y=_axis(title="efficiency (%)", rangemode="tozero"), shapes=[_hline(100, "#9A9A9A", dash="dot")])}
 
 
+@guarded
 def scaling_decomposition_figure(group: dict[str, Any] | None) -> Fig:
     """Step-time components per world size for one configuration: which one grows with scale."""
     if not group:
@@ -377,6 +441,7 @@ def scaling_decomposition_figure(group: dict[str, Any] | None) -> Fig:
         x=_axis(title="world size (GPUs)", type="category"), y=_axis(title=f"time per step ({unit})"))}
 
 
+@guarded
 def compare_series_figure(series: dict[int, Any], names: dict[int, str]) -> Fig:
     """Step time of several runs overlaid, aligned by step."""
     if not series:
@@ -387,20 +452,23 @@ def compare_series_figure(series: dict[int, Any], names: dict[int, str]) -> Fig:
     factor = 1
     for i, (rid, s) in enumerate(series.items()):
         factor = max(factor, s.factor)
-        data.append({"type": "scatter", "x": _arr(np.asarray(s.x)), "y": _f(s.y, mult), "name": names.get(rid, str(rid)),
+        data.append({"type": "scatter", "x": _arr(np.asarray(s.x)), "y": _f(s.y, mult), "name": plain(names.get(rid, rid)),
                      "mode": "lines", "line": {"color": SERIES_COLORS[i % len(SERIES_COLORS)], "width": 1.2},
                      "hovertemplate": f"%{{y:.3g}} {unit}"})
     return {"data": data, "layout": _layout("Step time (median rank)", height=300, note=aggregation_note(factor),
                                             x=_axis(title="step"), y=_axis(title=f"step time ({unit})", rangemode="tozero"))}
 
 
+@guarded
 def compare_decomposition_figure(metrics: dict[int, dict[str, Any]], names: dict[int, str]) -> Fig:
     """One stacked bar per run: the components of its median step."""
     if not metrics:
         return empty_figure("Pick two or more runs to compare.")
     ids = list(metrics)
     mult, unit = time_unit([metrics[i].get("step_s") for i in ids])
-    ys = [names.get(i, str(i)) for i in ids]
+    # one bar per run: category values are the (escaped) names, made unique where two runs share a name
+    raw = [str(names.get(i, i)) for i in ids]
+    ys = [plain(n if raw.count(n) == 1 else f"{n} · {i}") for n, i in zip(raw, ids, strict=True)]
     data = [{"type": "bar", "y": ys, "x": [(metrics[i].get(k) or 0) * mult for i in ids], "name": COMPONENT_LABELS[k],
              "orientation": "h", "marker": {"color": COMPONENT_COLORS[k]}, "hovertemplate": f"%{{x:.3g}} {unit}"}
             for k in _COMPONENTS]
@@ -413,6 +481,7 @@ def _iso(v: Any) -> Any:
     return v.isoformat() if hasattr(v, "isoformat") else v
 
 
+@guarded
 def alert_series_figure(ser: dict[str, Any] | None, alert: dict[str, Any]) -> Fig:
     """The alert's series with the change point marked and the before/after levels."""
     if not ser or not ser.get("y"):
@@ -432,9 +501,9 @@ def alert_series_figure(ser: dict[str, Any] | None, alert: dict[str, Any]) -> Fi
     suffix = f" {unit}" if unit else ""
     labels = ser.get("labels")
     data: list[dict[str, Any]] = [{
-        "type": "scatter", "x": x, "y": _f(y, mult), "mode": "lines+markers", "name": metric, "marker": {"size": 5},
-        "line": {"color": "#0072B2", "width": 1.2}, "text": labels,
-        "hovertemplate": "%{y:.4g}" + suffix + ("<br>%{text}" if labels else "") + "<extra></extra>"}]
+        "type": "scatter", "x": x, "y": _f(y, mult), "mode": "lines+markers", "name": plain(metric), "marker": {"size": 5},
+        "line": {"color": "#0072B2", "width": 1.2}, "text": [plain(v) for v in labels] if labels else labels,
+        "hovertemplate": "%{y:.4g}" + plain(suffix, template=True) + ("<br>%{text}" if labels else "") + "<extra></extra>"}]
     ci = ser.get("change_index")
     cx = ser.get("change_x")
     if cx is None and ci is not None and 0 <= ci < len(x):
@@ -467,6 +536,7 @@ def _params_label(params: dict[str, Any] | None) -> str:
     return ", ".join(items) or "default"
 
 
+@guarded
 def benchmark_figure(series: Sequence[dict[str, Any]], name: str) -> Fig:
     """One microbenchmark over time: a line per (cluster, parameters)."""
     ss = [s for s in series if s["name"] == name and s["value"]]
@@ -474,21 +544,23 @@ def benchmark_figure(series: Sequence[dict[str, Any]], name: str) -> Fig:
         return empty_figure(f"No points for {name}.")
     unit = ss[0].get("unit") or ""
     data = [{"type": "scatter", "x": [_iso(to_utc(t)) for t in s["ts"]], "y": list(s["value"]), "mode": "lines+markers",
-             "name": f"{s['cluster']} · {_params_label(s.get('params'))}", "marker": {"size": 4},
-             "line": {"color": SERIES_COLORS[i % len(SERIES_COLORS)], "width": 1.2}, "text": [c or "" for c in s["git_commit"]],
-             "hovertemplate": "%{y:.4g} " + unit + "<br>%{text}<extra></extra>"} for i, s in enumerate(ss)]
+             "name": plain(f"{s['cluster']} · {_params_label(s.get('params'))}"), "marker": {"size": 4},
+             "line": {"color": SERIES_COLORS[i % len(SERIES_COLORS)], "width": 1.2},
+             "text": [plain(c or "") for c in s["git_commit"]],
+             "hovertemplate": "%{y:.4g} " + plain(unit, template=True) + "<br>%{text}<extra></extra>"} for i, s in enumerate(ss)]
     return {"data": data, "layout": _layout(name, height=280, hovermode="closest", x=_axis(title="time (UTC)", type="date"),
                                             y=_axis(title=unit))}
 
 
+@guarded
 def busbw_by_size_figure(series: Sequence[dict[str, Any]]) -> Fig:
     """Latest collective busbw against message size, a line per (benchmark, cluster)."""
     pts: dict[tuple[str, str], list[tuple[float, float]]] = {}
     unit = ""
     for s in series:
         size = (s.get("params") or {}).get("bytes")
-        if size is None or not s["value"]:
-            continue
+        if not isinstance(size, (int, float)) or isinstance(size, bool) or not s["value"]:
+            continue  # no (numeric) message size: not a point on this chart
         unit = s.get("unit") or unit
         pts.setdefault((s["name"], s["cluster"]), []).append((float(size), float(s["value"][-1])))
     if not pts:
@@ -498,8 +570,8 @@ def busbw_by_size_figure(series: Sequence[dict[str, Any]]) -> Fig:
     for i, ((name, cluster), v) in enumerate(sorted(pts.items())):
         v.sort()
         data.append({"type": "scatter", "x": [a for a, _ in v], "y": [b * scale for _, b in v], "mode": "lines+markers",
-                     "name": f"{name} · {cluster}", "line": {"color": SERIES_COLORS[i % len(SERIES_COLORS)]},
-                     "hovertemplate": "%{x:.3s}B: %{y:.4g} " + yunit + "<extra></extra>"})
+                     "name": plain(f"{name} · {cluster}"), "line": {"color": SERIES_COLORS[i % len(SERIES_COLORS)]},
+                     "hovertemplate": "%{x:.3s}B: %{y:.4g} " + plain(yunit, template=True) + "<extra></extra>"})
     return {"data": data, "layout": _layout("Collective busbw by message size (latest)", height=300, hovermode="closest",
                                             x=_axis(title="message size (bytes, log)", type="log"),
                                             y=_axis(title=f"busbw ({yunit})"))}
@@ -521,6 +593,7 @@ def dim_color(dim: str, order: Sequence[str] = ()) -> str:
     return _DIM_SPARE[i % len(_DIM_SPARE)]
 
 
+@guarded
 def comm_dims_figure(series: dict[str, Any] | None, order: Sequence[str] = (), *, note: str | None = None) -> Fig:
     """Exposed communication per parallel dimension over steps (``reports.comm_dim_series``), a line
     per dimension; ``order``: dimensions first in this order (the summary's, most exposed first)."""
@@ -532,7 +605,7 @@ def comm_dims_figure(series: dict[str, Any] | None, order: Sequence[str] = (), *
         return empty_figure("No exposed communication recorded by dimension for this run.")
     mult, unit = time_unit([v for d in names for v in dims[d]["exposed_s"][:: max(1, len(steps) // 500)] if v])
     x = _arr(np.asarray(steps))
-    data = [{"type": "scatter", "x": x, "y": _f(dims[d]["exposed_s"], mult), "name": d, "mode": "lines",
+    data = [{"type": "scatter", "x": x, "y": _f(dims[d]["exposed_s"], mult), "name": plain(d), "mode": "lines",
              "line": {"color": dim_color(d, names), "width": 1.2}, "hovertemplate": f"%{{y:.3g}} {unit}"} for d in names]
     return {"data": data, "layout": _layout(
         "Exposed communication by dimension", height=260,
@@ -540,6 +613,7 @@ def comm_dims_figure(series: dict[str, Any] | None, order: Sequence[str] = (), *
         x=_axis(title="step"), y=_axis(title=f"exposed comm per step ({unit})", rangemode="tozero"))}
 
 
+@guarded
 def pipeline_stages_figure(pipeline: dict[str, Any] | None) -> Fig:
     """Per pipeline stage: busy time (step − exposed comm) and bubble (send/recv wait) side by side."""
     per = (pipeline or {}).get("per_stage") or []
@@ -560,6 +634,7 @@ def pipeline_stages_figure(pipeline: dict[str, Any] | None) -> Fig:
         y=_axis(title=f"time per step ({unit})", rangemode="tozero"), annotations=ann)}
 
 
+@guarded
 def compare_comm_dims_figure(by_run: dict[int, dict[str, dict[str, float]]], names: dict[int, str]) -> Fig:
     """Exposed communication per dimension, one bar per run in each dimension group (per step)."""
     if not by_run:
@@ -571,8 +646,9 @@ def compare_comm_dims_figure(by_run: dict[int, dict[str, dict[str, float]]], nam
         return empty_figure("No collectives recorded for these runs.")
     mult, unit = time_unit([v.get("exposed_s") for by in by_run.values() for v in by.values()])
     # a run with collectives but none in a dimension: 0 there; a run without collectives: no bars
-    data = [{"type": "bar", "x": dims, "y": [((by.get(d) or {}).get("exposed_s") or 0) * mult if by else None for d in dims],
-             "name": names.get(rid, str(rid)), "marker": {"color": SERIES_COLORS[i % len(SERIES_COLORS)]},
+    data = [{"type": "bar", "x": [plain(d) for d in dims],
+             "y": [((by.get(d) or {}).get("exposed_s") or 0) * mult if by else None for d in dims],
+             "name": plain(names.get(rid, rid)), "marker": {"color": SERIES_COLORS[i % len(SERIES_COLORS)]},
              "hovertemplate": f"%{{x}}: %{{y:.3g}} {unit}"}
             for i, (rid, by) in enumerate(by_run.items())]
     return {"data": data, "layout": _layout(
@@ -584,6 +660,7 @@ def compare_comm_dims_figure(by_run: dict[int, dict[str, dict[str, float]]], nam
 _DASHES = ("solid", "dash", "dot", "dashdot")
 
 
+@guarded
 def scaling_comm_dims_figure(data: dict[str, Any]) -> Fig:
     """Exposed communication per dimension against world size: a line per dimension (colour), per
     configuration (dash)."""
@@ -605,10 +682,10 @@ def scaling_comm_dims_figure(data: dict[str, Any]) -> Fig:
     for ci, d, xs, ys in series:
         label = cfgs[ci]["config"]
         name = d if len(cfgs) == 1 else f"{d} · {label if len(label) <= 32 else label[:31] + '…'}"
-        traces.append({"type": "scatter", "x": xs, "y": [None if y is None else y * mult for y in ys], "name": name,
+        traces.append({"type": "scatter", "x": xs, "y": [None if y is None else y * mult for y in ys], "name": plain(name),
                        "mode": "lines+markers", "line": {"color": dim_color(d, order), "dash": _DASHES[ci % len(_DASHES)]},
-                       "text": [cfgs[ci]["config"]] * len(xs),
-                       "hovertemplate": f"n=%{{x}}: %{{y:.3g}} {unit}<br>%{{text}}<extra>{d}</extra>"})
+                       "text": [plain(cfgs[ci]["config"])] * len(xs),
+                       "hovertemplate": f"n=%{{x}}: %{{y:.3g}} {unit}<br>%{{text}}<extra>{plain(d, template=True)}</extra>"})
     sizes = [x for _, _, xs, _ in series for x in xs]
     return {"data": traces, "layout": _layout(
         "Exposed communication by dimension vs world size", height=300, hovermode="closest",
@@ -617,6 +694,7 @@ def scaling_comm_dims_figure(data: dict[str, Any]) -> Fig:
                                                                     rangemode="tozero"))}
 
 
+@guarded
 def overlap_figure(view: dict[str, Any] | None) -> Fig:
     """One rank-step's collectives against backward (``reports.run_overlap``): backward as a band, each
     collective a bar from its issue to its completion (gradient reductions in blue), the part the step
@@ -628,12 +706,12 @@ def overlap_figure(view: dict[str, Any] | None) -> Fig:
         return empty_figure("No collectives recorded for this step.")
     ends = [c["end_s"] for c in colls] + [v.get("step_s") or 0.0]
     mult, unit = time_unit([max(ends) - min(0.0, *(c["start_s"] for c in colls))])
-    labels = [f"{i + 1} · {c['op'].replace('_', '-')} · {c['dim']} · {fmt_bytes(c['bytes'])}"
-              + (f" ×{c['calls']}" if c.get("calls", 1) > 1 else "") for i, c in enumerate(colls)]
+    labels = [plain(f"{i + 1} · {c['op'].replace('_', '-')} · {c['dim']} · {fmt_bytes(c['bytes'])}"
+                    + (f" ×{c['calls']}" if c.get("calls", 1) > 1 else "")) for i, c in enumerate(colls)]
     start = np.array([c["start_s"] for c in colls])
     end = np.array([c["end_s"] for c in colls])
     exp = np.array([c["exposed_s"] for c in colls])
-    text = [f"{c['phase'].replace('_', ' ')}{' · gradient reduction' if c.get('gradient') else ''}" for c in colls]
+    text = [plain(f"{c['phase'].replace('_', ' ')}{' · gradient reduction' if c.get('gradient') else ''}") for c in colls]
     data = [
         {"type": "bar", "orientation": "h", "y": labels, "base": _f(start, mult), "x": _f(end - start, mult),
          "name": "collective (issue → completion)", "text": text, "textposition": "none",

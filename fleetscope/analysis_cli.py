@@ -73,13 +73,17 @@ def check(
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         with httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=60.0) as c:
-            r = c.get("/api/v1/runs", params={"name": run, "limit": 1})
+            r = c.get("/api/v1/runs", params={"name": run, "limit": 20})
             if r.status_code != 200:
                 raise _fail(f"listing runs failed: HTTP {r.status_code}")
             runs = r.json().get("runs", [])
             if not runs:
                 raise _fail(f"no run named {run!r} on {server}")
             rid = runs[0]["id"]
+            if len(runs) > 1:  # names are unique per owner (team or token), not across owners
+                others = ", ".join(str(x["id"]) for x in runs[1:])
+                typer.echo(f"note: {len(runs)} runs are named {run!r} (several owners); checking the newest, "
+                           f"id {rid} (others: {others})", err=True)
             r = c.get(f"/api/v1/runs/{rid}/check")
             if r.status_code != 200:
                 raise _fail(f"check failed: HTTP {r.status_code} {r.text[:200]}")

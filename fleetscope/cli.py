@@ -41,6 +41,44 @@ def _settings(**overrides: object):  # type: ignore[no-untyped-def]
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
 
 
+#: option (or setting) names as the user typed them, for error messages
+_OPTION_OF = {"forwarded_allow_ips": "--forwarded-allow-ips", "retention_blocks_days": "--blocks-days",
+              "retention_rollups_days": "--rollups-days", "retention_runs_days": "--runs-days"}
+
+
+def _checked_settings(**overrides: object):  # type: ignore[no-untyped-def]
+    """:func:`_settings`, with a one-line error per bad value (exit 2) instead of a traceback."""
+    from pydantic import ValidationError
+
+    try:
+        return _settings(**overrides)
+    except ValidationError as e:
+        for err in e.errors():
+            field = str(err["loc"][0]) if err["loc"] else "settings"
+            where = _OPTION_OF.get(field, "")
+            where = f"{where} (FLEETSCOPE_{field.upper()})" if where else f"FLEETSCOPE_{field.upper()}"
+            hint = " (allowed: 0 to 36,500 days)" if field.startswith("retention_") and field.endswith("_days") else ""
+            typer.secho(f"error: {where}: {err['msg']}{hint}", fg="red", err=True)
+        raise typer.Exit(2) from None
+
+
+def _days(value: float | None) -> float | None:
+    """A retention limit: a finite number of days in 0..MAX_RETENTION_DAYS (typer names the option)."""
+    import math
+
+    from fleetscope.server.settings import MAX_RETENTION_DAYS
+
+    if value is not None and not (math.isfinite(value) and 0 <= value <= MAX_RETENTION_DAYS):
+        raise typer.BadParameter(f"must be a number of days from 0 to {MAX_RETENTION_DAYS:,.0f}, got {value}")
+    return value
+
+
+def _run_limit(value: int | None) -> int | None:
+    if value is not None and not 1 <= value <= 1_000_000:
+        raise typer.BadParameter(f"must be a number of runs from 1 to 1,000,000, got {value}")
+    return value
+
+
 def _is_loopback(host: str) -> bool:
     import ipaddress
 
@@ -72,14 +110,19 @@ def serve(
     compaction_workers: Annotated[int | None, typer.Option(
         "--compaction-workers", min=0, max=64,
         help="compact in N worker processes (partitioned by run) instead of a thread of the server")] = None,
+    forwarded_allow_ips: Annotated[Optional[str], typer.Option(
+        "--forwarded-allow-ips", envvar="FLEETSCOPE_FORWARDED_ALLOW_IPS",
+        help="proxies (addresses or networks, comma-separated; '*': any) whose X-Forwarded-For names the client "
+             "for the failed-auth limit; default: none, X-Forwarded-For is ignored")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run the API, the dashboard and /metrics in one process (embedded Postgres without a URL)."""
     _setup_logging(verbose)
-    settings = _settings(
+    settings = _checked_settings(
         host=host, port=port, database_url=database_url, data_dir=data_dir, migrate=not no_migrate,
         insecure_no_auth=insecure_no_auth or None, read_auth=read_auth or None,
         allow_public_unauthenticated=allow_public_reads or None, compaction_workers=compaction_workers,
+        forwarded_allow_ips=forwarded_allow_ips,
     )
     if settings.insecure_no_auth:
         typer.secho("WARNING: authentication is DISABLED (--insecure-no-auth)", fg="red", bold=True, err=True)
@@ -102,15 +145,19 @@ def retention(
     database_url: DatabaseUrl = None,
     data_dir: DataDir = None,
     apply: Annotated[bool, typer.Option("--apply", help="carry the pass out (default: only show it)")] = False,
-    blocks_days: Annotated[float | None, typer.Option(help="drop per-rank blocks of runs older than this")] = None,
-    rollups_days: Annotated[float | None, typer.Option(help="drop per-step rows of runs older than this")] = None,
-    runs_days: Annotated[float | None, typer.Option(help="delete runs older than this")] = None,
-    limit: Annotated[int | None, typer.Option(help="at most this many runs")] = None,
+    blocks_days: Annotated[float | None, typer.Option(
+        callback=_days, help="drop per-rank blocks of runs older than this many days (0..36500)")] = None,
+    rollups_days: Annotated[float | None, typer.Option(
+        callback=_days, help="drop per-step rows of runs older than this many days (0..36500)")] = None,
+    runs_days: Annotated[float | None, typer.Option(
+        callback=_days, help="delete runs older than this many days (0..36500)")] = None,
+    limit: Annotated[int | None, typer.Option(callback=_run_limit, help="at most this many runs (1..1000000)")]
+    = None,
 ) -> None:
     """Preview (default) or apply the retention policy: FLEETSCOPE_RETENTION_* settings, or these options."""
     _setup_logging()
-    settings = _settings(database_url=database_url, data_dir=data_dir, retention_blocks_days=blocks_days,
-                         retention_rollups_days=rollups_days, retention_runs_days=runs_days)
+    settings = _checked_settings(database_url=database_url, data_dir=data_dir, retention_blocks_days=blocks_days,
+                                 retention_rollups_days=rollups_days, retention_runs_days=runs_days)
     from fleetscope.server import retention as ret
     from fleetscope.server.db import make_engine, resolve_database_url, upgrade
 
@@ -197,6 +244,9 @@ def token_create(
     = "ingest",
     expires_in: Annotated[Optional[float], typer.Option("--expires-in", help="days until it expires (default: never)")]
     = None,
+    team: Annotated[Optional[str], typer.Option(
+        "--team", help="tokens of one team share their runs (register, write, finish them); default: the token "
+                       "alone owns the runs it registers")] = None,
     database_url: DatabaseUrl = None,
     data_dir: DataDir = None,
 ) -> None:
@@ -205,17 +255,18 @@ def token_create(
 
     try:
         token = _with_engine(database_url, data_dir,
-                             lambda e: create_token(e, name, scope=scope, expires_in_days=expires_in))
+                             lambda e: create_token(e, name, scope=scope, expires_in_days=expires_in, team=team))
     except TokenError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"created {scope} token {name!r} (store it now: it is not shown again)", err=True)
+    of_team = f" of team {team!r}" if team else ""
+    typer.echo(f"created {scope} token {name!r}{of_team} (store it now: it is not shown again)", err=True)
     typer.echo(token)
 
 
 @token_app.command("list")
 def token_list(database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
-    """List tokens: name, scope, state, created, last used, expiry (never the secret)."""
+    """List tokens: name, scope, team, state, created, last used, expiry (never the secret)."""
     from fleetscope.server.auth import list_tokens
 
     rows = _with_engine(database_url, data_dir, list_tokens)
@@ -223,10 +274,11 @@ def token_list(database_url: DatabaseUrl = None, data_dir: DataDir = None) -> No
     def ts(v: Any) -> str:
         return v.strftime("%Y-%m-%d %H:%M") if v is not None else "-"
 
-    typer.echo(f"{'NAME':<24} {'SCOPE':<7} {'STATE':<8} {'PREFIX':<9} {'CREATED':<17} {'LAST USED':<17} EXPIRES")
+    typer.echo(f"{'NAME':<24} {'SCOPE':<7} {'TEAM':<16} {'STATE':<8} {'PREFIX':<9} {'CREATED':<17} {'LAST USED':<17} "
+               "EXPIRES")
     for r in rows:
-        typer.echo(f"{r['name'][:24]:<24} {r['scope']:<7} {r['state']:<8} {r['prefix']:<9} {ts(r['created_at']):<17} "
-                   f"{ts(r['last_used_at']):<17} {ts(r['expires_at'])}")
+        typer.echo(f"{r['name'][:24]:<24} {r['scope']:<7} {(r.get('team') or '-')[:16]:<16} {r['state']:<8} "
+                   f"{r['prefix']:<9} {ts(r['created_at']):<17} {ts(r['last_used_at']):<17} {ts(r['expires_at'])}")
 
 
 @token_app.command("revoke")
@@ -277,10 +329,14 @@ def delete_run(
         with httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=120.0) as c:
             rid: int | None = int(run) if run.isdigit() else None
             if rid is None:
-                r = c.get("/api/v1/runs", params={"name": run, "limit": 1})
+                r = c.get("/api/v1/runs", params={"name": run, "limit": 10})
                 found = [x for x in (r.json().get("runs", []) if r.status_code == 200 else []) if x["name"] == run]
                 if r.status_code != 200 or not found:
                     typer.echo(f"error: no run named {run!r} (HTTP {r.status_code})", err=True)
+                    raise typer.Exit(1)
+                if len(found) > 1:  # names are unique per owner only: deleting needs the exact run
+                    ids = ", ".join(str(x["id"]) for x in found)
+                    typer.echo(f"error: {len(found)} runs are named {run!r} (ids {ids}); give the run id", err=True)
                     raise typer.Exit(1)
                 rid = int(found[0]["id"])
             r = c.delete(f"/api/v1/runs/{rid}")

@@ -1,8 +1,8 @@
 """API tokens: generated once, stored as SHA-256 hashes, compared in constant time, never logged.
 
 A token has a scope (``ingest`` writes run data; ``read`` reads the API and dashboard when read auth
-is on; ``admin`` does both and administers: alerts, other tokens' runs, deletes), an optional expiry,
-and is revoked by name. Every request checks the database (a primary-key lookup), so a revocation
+is on; ``admin`` does both and administers: alerts, other tokens' runs, deletes), an optional team
+(tokens of one team share their runs), an optional expiry, and is revoked by name. Every request checks the database (a primary-key lookup), so a revocation
 holds at once on every server instance; ``last_used_at`` is written at most once a minute per token.
 """
 
@@ -35,15 +35,30 @@ class TokenError(ValueError):
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a request acts as: a token's id, name and scope."""
+    """Who a request acts as: a token's id, name, scope and team."""
 
     token_id: int | None
     name: str
     scope: str
+    team: str | None = None
 
     def allows(self, scope: str) -> bool:
         """``admin`` holds every scope; ``ingest`` and ``read`` only their own."""
         return self.scope == "admin" or self.scope == scope
+
+    @property
+    def owner_key(self) -> str:
+        """The namespace the runs this principal registers live in (``runs.owner_key``): ``team:<team>``
+        for a token with a team, ``token:<id>`` without, ``''`` without a token (auth disabled)."""
+        if self.team:
+            return f"team:{self.team}"
+        return "" if self.token_id is None else f"token:{self.token_id}"
+
+    def may_write(self, owner_key: str) -> bool:
+        """Whether this principal may write a run whose ``runs.owner_key`` is ``owner_key``: its own
+        namespace (the same token, or a token of the same team), a run without an owner (``''``:
+        registered with auth disabled or before owners existed), or any run for an admin."""
+        return self.scope == "admin" or owner_key == "" or owner_key == self.owner_key
 
 
 #: the principal of a server started with --insecure-no-auth
@@ -59,12 +74,21 @@ def _check_name(name: str) -> None:
         raise TokenError("token name must be 1..128 printable characters")
 
 
+def _check_team(team: str) -> None:
+    if not team or len(team) > 64 or not team.isprintable():
+        raise TokenError("team must be 1..64 printable characters")
+
+
 def create_token(engine: Engine, name: str, *, scope: str = "ingest", expires_in_days: float | None = None,
-                 replace: bool = False) -> str:
+                 replace: bool = False, team: str | None = None) -> str:
     """Create a token named ``name``; returns the secret (shown once, only its hash is stored).
 
-    A name is held by one active token at a time: ``replace=True`` revokes the one holding it."""
+    A name is held by one active token at a time: ``replace=True`` revokes the one holding it. Tokens
+    with the same ``team`` share their runs (register, write and finish them); a token without a team
+    owns the runs it registers alone."""
     _check_name(name)
+    if team is not None:
+        _check_team(team)
     if scope not in SCOPES:
         raise TokenError(f"scope must be one of {', '.join(SCOPES)}, got {scope!r}")
     if expires_in_days is not None and not (0 < expires_in_days <= 3650):
@@ -76,13 +100,13 @@ def create_token(engine: Engine, name: str, *, scope: str = "ingest", expires_in
             raise TokenError(f"an active token named {name!r} exists; revoke it first (fleetscope token revoke)")
         tokens.insert_token(c, name=name, token_hash=hash_token(token), prefix=token[:8], scope=scope,
                             expires_in_s=None if expires_in_days is None else expires_in_days * 86400.0,
-                            revoke_same_name=bool(active))
+                            revoke_same_name=bool(active), team=team)
     return token
 
 
 def list_tokens(engine: Engine) -> list[dict[str, Any]]:
-    """Every token, newest first: name, scope, prefix, created, last used, expiry, revocation — never
-    the secret or its hash."""
+    """Every token, newest first: name, scope, team, prefix, created, last used, expiry, revocation —
+    never the secret or its hash."""
     rows = tokens.list_all(engine)
     now = dt.datetime.now(dt.timezone.utc)
     for r in rows:
@@ -118,7 +142,7 @@ class TokenVerifier:
         if row is None or not hmac.compare_digest(row[3], h):
             return None
         self._touch(row[0])
-        return Principal(row[0], row[1], row[2])
+        return Principal(row[0], row[1], row[2], row[4])
 
     def verify(self, authorization: str | None, *, scope: str = "ingest") -> bool:
         """True when ``authorization`` carries a valid token holding ``scope``."""

@@ -32,6 +32,8 @@ from .codec import (
     encode_block,
 )
 from .grouped import grouped_median, grouped_medians
+from .limits import MAX_COLLECTIVES_PER_RANK_STEP, MAX_PHASE_NAMES_PER_RUN
+from .store import bounds
 from .store import compaction as store
 from .validate import OP_CODE
 
@@ -320,6 +322,8 @@ class Compactor:
         # come first and the sort is stable, so a re-sent copy never replaces what is stored
         S, dup_s = _sort_dedup(S, np.searchsorted(gkeys, keys_s) * (1 << 24) + S["rank"])
         C, dup_c = _sort_dedup(C, np.searchsorted(gkeys, keys_c) * (1 << 24) + C["rank"], C["seq"])
+        C, capped = cap_per_rank_step(C, MAX_COLLECTIVES_PER_RANK_STEP)
+        bounds.add_folded(cur, [(int(r), "collectives", int(k)) for r, k in capped.items()])
         gid = S["_key"] >> 24
         cgid = C["_key"] >> 24
         res.duplicates = dup_s + dup_c
@@ -425,6 +429,8 @@ class Compactor:
         """Sum landed (run, step, rank, name, value) rows per (run, step, name), each rank once."""
         agg: dict[tuple[int, int, str], dict[int, Any]] = {}
         conv = int if kind == "modality" else float
+        if kind == "phase":
+            mods = bound_phase_names(cur, mods)
         for run_id, step, rank, modality, tokens in mods:
             agg.setdefault((run_id, step, modality), {}).setdefault(rank, conv(tokens))
         keys = list(agg)
@@ -446,6 +452,47 @@ class Compactor:
         store.upsert_modalities(cur, rows, kind)
         if per_rank_sums:
             store.upsert_rank_modalities(cur, [(*k, v[0], v[1]) for k, v in per_rank_sums.items()])
+
+
+def bound_phase_names(cur: Any, mods: list[tuple[int, int, int, str, Any]]) -> list[tuple[int, int, int, str, Any]]:
+    """Landed (run, step, rank, phase, seconds) rows with each run's custom phase names bounded: a run
+    keeps its first ``MAX_PHASE_NAMES_PER_RUN`` names (``run_names``; first seen by step, then name),
+    later names fold into ``bounds.OVERFLOW_PHASE`` (the agent's own overflow name, not counted in the
+    bound) and the folded records are counted (``run_folded`` "phase_names"). Retried copies are dropped
+    first (first copy wins, as for every landed row), then the folded seconds of a (run, step, rank) are
+    summed. Runs the compactor folds are under its partition lock: one admission at a time per run."""
+    first: dict[int, dict[str, int]] = {}  # run -> {name: first step seen}
+    for run_id, step, _rank, name, _v in mods:
+        if name != bounds.OVERFLOW_PHASE:
+            seen_at = first.setdefault(int(run_id), {})
+            seen_at[name] = min(int(step), seen_at.get(name, int(step)))
+    if not first:
+        return mods
+    run_ids = sorted(first)
+    kept = bounds.kept_names(cur, "phase", run_ids)
+    admit: list[tuple[int, str]] = []
+    for r in run_ids:
+        have = kept.setdefault(r, set())
+        new = sorted((st, name) for name, st in first[r].items() if name not in have)
+        room = max(MAX_PHASE_NAMES_PER_RUN - len(have - {bounds.OVERFLOW_PHASE}), 0)
+        for _, name in new[:room]:
+            have.add(name)
+            admit.append((r, name))
+    bounds.admit_names(cur, "phase", admit)
+    seen: set[tuple[int, int, int, str]] = set()
+    out: dict[tuple[int, int, int, str], float] = {}
+    n_folded: dict[int, int] = {}
+    for run_id, step, rank, name, v in mods:
+        k = (int(run_id), int(step), int(rank), name)
+        if k in seen:
+            continue
+        seen.add(k)
+        if name != bounds.OVERFLOW_PHASE and name not in kept[k[0]]:
+            n_folded[k[0]] = n_folded.get(k[0], 0) + 1
+            k = (k[0], k[1], k[2], bounds.OVERFLOW_PHASE)
+        out[k] = out.get(k, 0.0) + float(v)
+    bounds.add_folded(cur, [(r, "phase_names", n) for r, n in n_folded.items()])
+    return [(*k, v) for k, v in out.items()]
 
 
 _P2P_OPS = np.array([OP_CODE["send"], OP_CODE["recv"]])
@@ -526,6 +573,28 @@ def _union_keys(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return x[np.r_[True, x[1:] != x[:-1]]] if len(x) else x
 
     return np.union1d(runs(a), runs(b))
+
+
+def cap_per_rank_step(C: dict[str, np.ndarray], cap: int) -> tuple[dict[str, np.ndarray], dict[int, int]]:
+    """At most ``cap`` collective records per (step, rank): ``C`` sorted by ``_key`` (group << 24 | rank)
+    as ``_sort_dedup`` leaves it; stored rows (``is_old``) are always kept, then new ones in ``seq``
+    order up to the cap. Returns the kept rows (order unchanged) and {run: new records dropped}."""
+    n = len(C["_key"])
+    if n <= cap:
+        return C, {}
+    key = C["_key"]
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    if (np.diff(np.r_[starts, n]) <= cap).all():
+        return C, {}
+    # position of each row in its (step, rank): stored rows first, then new rows by seq
+    order = np.lexsort((C["seq"], ~C["is_old"], key))
+    group_start = np.repeat(starts, np.diff(np.r_[starts, n]))  # rows stay grouped by key in any order
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n) - group_start
+    keep = C["is_old"] | (pos < cap)
+    dropped = ~keep
+    runs, counts = np.unique(C["run_id"][dropped], return_counts=True)
+    return {k: v[keep] for k, v in C.items()}, {int(r): int(c) for r, c in zip(runs, counts, strict=True)}
 
 
 def _sort_dedup(cols: dict[str, np.ndarray], key: np.ndarray, key2: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], int]:

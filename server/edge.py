@@ -7,9 +7,12 @@ A pure ASGI middleware, in this order:
 2. **Body cap** — a per-route ceiling checked on ``Content-Length`` before reading, and again while
    the body streams (chunked uploads); 413 naming the limit.
 3. **Authentication** — every write (and, with ``read_auth``, every read but ``/healthz``) needs a
-   valid token: 401 before the body is read. Repeated failures from one client are refused with 429
-   for a while. A database outage answers 503 + ``Retry-After``, never 500. The principal is put in
-   the request's state; the routes' ``require_token(scope)`` dependency checks its scope.
+   valid token: 401 before the body is read. A client address with too many recent failures gets 429
+   + ``Retry-After`` for each further request that fails — a request from that address whose token
+   is valid still passes (behind a proxy, every agent shares one address). The address is the TCP
+   peer; ``X-Forwarded-For`` counts only when the peer is in ``forwarded_allow_ips``. A database
+   outage answers 503 + ``Retry-After``, never 500. The principal is put in the request's state; the
+   routes' ``require_token(scope)`` dependency checks its scope.
 4. **Media type** — a write with a body must say ``application/json`` or msgpack (415 otherwise), so
    a cross-origin ``text/plain`` form cannot post to an unauthenticated server.
 5. **Security headers** on every response (nosniff, no framing, no referrer).
@@ -17,6 +20,7 @@ A pure ASGI middleware, in this order:
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import threading
@@ -76,7 +80,8 @@ def _dash_cap(path: str) -> int:
 
 
 class _FailedAuth:
-    """Per-client count of failed authentications in a sliding window, bounded in size."""
+    """Per-client count of failed authentications in a sliding window, bounded in size (at most
+    ``max_clients`` addresses, each with at most ``limit`` timestamps; the least recent goes first)."""
 
     def __init__(self, limit: int, window_s: float, max_clients: int = 10_000) -> None:
         self.limit, self.window_s, self.max_clients = limit, window_s, max_clients
@@ -106,6 +111,44 @@ class _FailedAuth:
                 self._hits.popitem(last=False)
 
 
+_Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class _Proxies:
+    """The peers whose ``X-Forwarded-For`` is believed (``forwarded_allow_ips``: addresses or networks;
+    ``*``: any peer; empty: none, the TCP peer is the client)."""
+
+    def __init__(self, allowed: list[str]) -> None:
+        self.any = "*" in allowed
+        self.networks: list[_Network] = [ipaddress.ip_network(a, strict=False) for a in allowed if a != "*"]
+
+    def trusted(self, address: str) -> bool:
+        if self.any:
+            return True
+        if not self.networks:
+            return False
+        try:
+            ip = ipaddress.ip_address(address.strip("[]"))
+        except ValueError:
+            return False
+        return any(ip in n for n in self.networks)
+
+    def client(self, scope: Scope) -> str:
+        """The client's address: the TCP peer, or — when the peer is a trusted proxy — the nearest
+        address in ``X-Forwarded-For`` that is not itself a trusted proxy (the leftmost when all are)."""
+        peer = str((scope.get("client") or ("?", 0))[0])
+        if not self.trusted(peer):
+            return peer
+        hops = [h.strip() for k, v in scope.get("headers", ()) if k.lower() == b"x-forwarded-for"
+                for h in v.decode("latin-1").split(",") if h.strip()]
+        if not hops:
+            return peer
+        for hop in reversed(hops):
+            if not self.trusted(hop):
+                return hop[:64]
+        return hops[0][:64]
+
+
 def _host_name(host: str) -> str:
     host = host.strip().lower()
     if host.startswith("["):
@@ -122,6 +165,7 @@ class EdgeMiddleware:
         self.settings = settings
         self.get_state = get_state
         self.failed = _FailedAuth(settings.auth_fail_limit, settings.auth_fail_window_s)
+        self.proxies = _Proxies(list(getattr(settings, "forwarded_allow_ips", None) or []))
         allowed = {h.lower() for h in settings.allowed_hosts}
         bind = settings.host.lower()
         self.any_host = "*" in allowed or (not allowed and bind in ("0.0.0.0", "::", ""))
@@ -202,23 +246,27 @@ class EdgeMiddleware:
             return ANONYMOUS_ADMIN, 200, "", {}
         if st is None or not st.ready:
             return None, 503, "starting up", {"Retry-After": "1"}
-        client = (scope.get("client") or ("?", 0))[0]
-        wait = self.failed.blocked_for(client)
-        if wait > 0:
-            return None, 429, "too many failed authentications from this client; retry later", {
-                "Retry-After": str(int(wait) + 1)}
+        client = self.proxies.client(scope)
+        blocked = self.failed.blocked_for(client) > 0
         sign_in = _sign_in_token(scope)
         authz = (headers.get("authorization") or (f"Bearer {sign_in}" if sign_in else None)
                  or _cookie_token(headers.get("cookie", "")))
-        try:
-            principal = await run_in_threadpool(st.tokens.authenticate, authz)
-        except (OperationalError, OSError, TimeoutError) as e:
-            log.warning("token check failed, database unavailable: %s", type(e).__name__)
-            return None, 503, "database unavailable; retry later", {"Retry-After": "2"}
-        if principal is None:
-            self.failed.record(client)
-            return None, 401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"}
-        return principal, 200, "", {}
+        # an address over the limit still has each presented token checked (one lookup): a valid token
+        # passes — another client behind the same proxy must not be locked out by someone's bad tokens
+        if not (blocked and not authz):
+            try:
+                principal = await run_in_threadpool(st.tokens.authenticate, authz)
+            except (OperationalError, OSError, TimeoutError) as e:
+                log.warning("token check failed, database unavailable: %s", type(e).__name__)
+                return None, 503, "database unavailable; retry later", {"Retry-After": "2"}
+            if principal is not None:
+                return principal, 200, "", {}
+        self.failed.record(client)
+        if blocked:
+            wait = self.failed.blocked_for(client)
+            return None, 429, "too many failed authentications from this client; retry later", {
+                "Retry-After": str(int(wait) + 1)}
+        return None, 401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"}
 
     async def _reject(self, send: Send, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
         st = self.get_state()

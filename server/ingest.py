@@ -15,8 +15,8 @@ import logging
 import threading
 import time
 import zlib
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -28,6 +28,7 @@ from fleetscope.wire import MSGPACK_CONTENT_TYPE
 from .codec import FRAG_COLL_FIELDS, FRAG_STEP_FIELDS, dim_code, encode_block
 from .store import landing
 from .store import runs as run_store
+from .store.events import Landed
 from .validate import BatchError, ValidBatch, validate_batch
 
 __all__ = ["IngestService", "Admission", "Overloaded"]
@@ -82,6 +83,8 @@ class Admission:
 class IngestResult:
     run_id: int
     accepted: dict[str, int]
+    #: {event kind: events dropped beyond the run's caps} (``comm_group``: group descriptions)
+    dropped: dict[str, int] = field(default_factory=dict)
 
 
 #: decoded bytes per compressed byte beyond which a body is a decompression bomb, not a batch (real
@@ -186,7 +189,7 @@ class IngestService:
         batch = validate_batch(doc, self.world_size_of)
         if batch.n_records > self.max_batch_records:
             raise BatchError("batch", f"has {batch.n_records} records; the limit is {self.max_batch_records}", status=413)
-        self._write(batch)
+        landed = self._write(batch)
         return IngestResult(
             run_id=batch.run_id,
             accepted={
@@ -195,22 +198,24 @@ class IngestService:
                 "modality_tokens": batch.count("modality_tokens"),
                 "phases": batch.count("phases"),
                 "ranks": len(batch.ranks),
-                "events": len(batch.events),
+                "events": landed.events,  # stored (or already stored); beyond a run's caps: dropped, counted
             },
+            dropped=landed.dropped,
         )
 
-    def _write(self, b: ValidBatch) -> None:
+    def _write(self, b: ValidBatch) -> Landed:
         t0 = time.perf_counter()
         codes, dims = dim_column(b)
         new_dims = [(c, n) for c, n in dims.items() if (b.run_id, c) not in self._dims_known]
-        landing.land_batch(self.engine, b.run_id, fragment=encode_fragment(b, codes),
-                           modality_tokens=b.modality_tokens or None,
-                           ranks=b.ranks, phases=b.phases or None, events=b.events, dims=new_dims)
+        landed = landing.land_batch(self.engine, b.run_id, fragment=encode_fragment(b, codes),
+                                    modality_tokens=b.modality_tokens or None, ranks=b.ranks,
+                                    phases=b.phases or None, events=b.events, groups=b.groups, dims=new_dims)
         if new_dims:
             if len(self._dims_known) > 100_000:
                 self._dims_known.clear()
             self._dims_known.update((b.run_id, c) for c, _ in new_dims)
         log.debug("wrote batch run=%s records=%d in %.1f ms", b.run_id, b.n_records, (time.perf_counter() - t0) * 1e3)
+        return landed
 
 
 def dim_column(b: ValidBatch) -> tuple[np.ndarray | None, dict[int, str]]:

@@ -15,11 +15,14 @@ MAX_EVENTS_PER_RUN = 50_000
 MAX_EVENTS_PER_KIND = 20_000
 #: JSON values in one event's ``data`` (every scalar, list and object counts as one)
 MAX_EVENT_VALUES = 1_000
+#: JSON values in one ``trace_summary`` event (the agent's sampled-trace reduction: per-step rows and
+#: top kernels grow with the profiled window; the kernel fold reads only its kernel rows)
+MAX_TRACE_SUMMARY_VALUES = 10_000
 #: distinct process groups (``comm_group``) one run may describe; a group is stored once, not per rank
-MAX_GROUPS_PER_RUN = 16_384
+MAX_GROUPS_PER_RUN = 65_536
 #: ranks listed explicitly in one group description (a longer group is sent as start/stride/size)
 MAX_GROUP_RANKS_LISTED = 16_384
-#: custom phase names per run (the agent's own limit); further names fold into ``other``
+#: custom phase names per run (the agent's own limit); further names fold into ``other_phases`` (the agent's overflow name)
 MAX_PHASE_NAMES_PER_RUN = 32
 #: distinct node / host names one run may report; further ranks' names are dropped and counted
 MAX_NODES_PER_RUN = 32_768

@@ -67,12 +67,12 @@ class Base(DeclarativeBase):
 
 
 class Run(Base):
-    """One training job; all ranks of the job share it (idempotent by name)."""
+    """One training job; all ranks of the job share it (idempotent by name within its owner's namespace)."""
 
     __tablename__ = "runs"
-    __table_args__ = (Index("ix_runs_started_at", "started_at"),)
+    __table_args__ = (Index("ix_runs_started_at", "started_at"), UniqueConstraint("owner_key", "name"))
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(256), unique=True)
+    name: Mapped[str] = mapped_column(String(256), index=True)
     model_family: Mapped[str | None] = mapped_column(String(128), index=True)
     config: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
     config_signature: Mapped[str | None] = mapped_column(String(64))
@@ -89,6 +89,8 @@ class Run(Base):
     last_seen_at: Mapped[dt.datetime | None] = mapped_column(TZ)
     owner_token_id: Mapped[int | None] = mapped_column(Integer)
     """the api_tokens.id that registered the run (None: before migration 0005, or auth disabled)"""
+    owner_key: Mapped[str] = mapped_column(Text, server_default="")
+    """whose namespace the name lives in: 'team:<team>', 'token:<id>', or '' (no owner; migration 0013)"""
     # per-run rollup counters, maintained by the compactor
     rank_steps: Mapped[int] = mapped_column(BigInteger, server_default="0")
     collective_records: Mapped[int] = mapped_column(BigInteger, server_default="0")
@@ -317,6 +319,8 @@ class ApiToken(Base):
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     prefix: Mapped[str] = mapped_column(String(16))
     scope: Mapped[str] = mapped_column(String(16), server_default="ingest")
+    team: Mapped[str | None] = mapped_column(Text)
+    """tokens of one team share their runs (migration 0013)"""
     created_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
     last_used_at: Mapped[dt.datetime | None] = mapped_column(TZ)
     expires_at: Mapped[dt.datetime | None] = mapped_column(TZ)
@@ -486,3 +490,63 @@ class RunRankModality(Base):
 
 
 __all__ += ["RunRankModality"]
+
+
+# --- cardinality bounds (migration 0014; server/limits.py, server/store/bounds.py) ---------------------
+
+
+class RunName(Base):
+    """A name a run keeps under a bound of ``server/limits.py``: kind ``phase`` (custom phase names,
+    admitted at compaction) or ``node`` (host / node names, admitted at ingest)."""
+
+    __tablename__ = "run_names"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)
+    name: Mapped[str] = mapped_column(String(256), primary_key=True)
+
+
+class RunFolded(Base):
+    """Records of a run folded or dropped to keep one bound (``store.bounds.BOUNDS``), summed."""
+
+    __tablename__ = "run_folded"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    bound: Mapped[str] = mapped_column(String(64), primary_key=True)
+    records: Mapped[int] = mapped_column(BigInteger)
+
+
+__all__ += ["RunName", "RunFolded"]
+
+
+# --- run groups and event counts (migration 0015; server/groups.py, server/store/events.py) ---------------
+
+
+class RunGroup(Base):
+    """A process group a run's ``comm_group`` events describe, stored once (not once per rank): its size
+    and ranks as ``start``/``stride`` (an arithmetic progression) or ``ranks`` (a compressed int32 list
+    of ``listed`` ranks); ``key`` is a digest of the membership."""
+
+    __tablename__ = "run_groups"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    dim: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key: Mapped[bytes] = mapped_column(LargeBinary, primary_key=True)
+    size: Mapped[int] = mapped_column(Integer)
+    start: Mapped[int | None] = mapped_column(Integer)
+    stride: Mapped[int | None] = mapped_column(Integer)
+    listed: Mapped[int] = mapped_column(Integer)
+    ranks: Mapped[bytes | None] = mapped_column(LargeBinary)
+    name: Mapped[str | None] = mapped_column(String(64))
+
+
+class RunEventCount(Base):
+    """Per run and event kind: ``run_events`` rows stored, events dropped beyond a cap, events stored
+    folded. Kind ``''`` is the run's total; kind ``comm_group`` counts ``run_groups`` rows."""
+
+    __tablename__ = "run_event_counts"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(64), primary_key=True)
+    stored: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    dropped: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    folded: Mapped[int] = mapped_column(BigInteger, server_default="0")
+
+
+__all__ += ["RunGroup", "RunEventCount"]

@@ -105,6 +105,7 @@ def apply(engine: Engine, settings: Settings, *, limit: int | None = None) -> li
     for a in plan(engine, settings, limit=limit):
         if a.action == "delete":
             counts = run_store.delete_run(engine, a.run_id) or {}
+            reports.forget_run(a.run_id)  # no memory stays cached for a deleted run
             done.append({**a.as_dict(), "rows": sum(counts.values())})
             continue
         run = run_store.get_run(engine, a.run_id, pending=False)

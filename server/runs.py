@@ -92,16 +92,17 @@ def _mp_size(reg: RunRegistration) -> int:
 
 
 def register_run(engine: Engine, reg: RunRegistration, *, owner_token_id: int | None = None,
-                 admin: bool = True) -> dict[str, Any]:
-    """Create the run or join the existing one of that name. The token that created a run owns it:
-    only it (or an admin) fills in fields, raises the world size, reopens it or merges meta; any
-    other token gets the run's id and changes nothing."""
+                 owner_key: str = "") -> dict[str, Any]:
+    """Create the run or join the existing one of that name in the caller's namespace (``owner_key``,
+    :attr:`Principal.owner_key`: its team, else its token; '' without auth). Joining fills in fields,
+    may raise the world size, reopens the run and merges meta; a name that another owner holds gives
+    the caller a run of its own and never touches the other's."""
     return run_store.upsert_run(
         engine, name=reg.name, family=reg.model_family, config_json=json.dumps(reg.config, allow_nan=False),
         signature=config_signature(reg.config), world_size=reg.world_size, mp_size=_mp_size(reg),
         device_type=reg.device_type, device_count=reg.device_count, peak_flops=reg.peak_flops, git_commit=reg.git_commit,
         meta_json=json.dumps(reg.meta, allow_nan=False, default=str), started_at=reg.started_at,
-        owner_token_id=owner_token_id, admin=admin,
+        owner_token_id=owner_token_id, owner_key=owner_key,
     )
 
 
@@ -110,15 +111,17 @@ class NotOwner(PermissionError):
 
 
 def finish_run(engine: Engine, run_id: int, status: str = "finished", finished_at: float | None = None, *,
-               token_id: int | None = None, admin: bool = True) -> bool:
+               owner_key: str = "", admin: bool = True) -> bool:
     """Mark a run ended (at ``finished_at``, unix time, or now); False when there is no such run.
-    Raises ``NotOwner`` when a non-admin token finishes another token's run."""
+    Raises ``NotOwner`` when a non-admin caller (namespace ``owner_key``) finishes another owner's run
+    (a run without owner, '', may be finished by any ingest token)."""
     if status not in RUN_STATUSES[1:]:
         raise ValueError(f"status must be one of {RUN_STATUSES[1:]}, got {status!r}")
     if not admin:
-        exists, owner = run_store.owner_of(engine, run_id)
-        if exists and owner is not None and owner != token_id:
-            raise NotOwner(f"run {run_id} belongs to another token; finishing it needs an admin token")
+        exists, owner = run_store.owner_key_of(engine, run_id)
+        if exists and owner and owner != owner_key:
+            raise NotOwner(f"run {run_id} belongs to another owner; finishing it needs a token of that owner "
+                           "(the same token or team) or an admin token")
     return run_store.finish_run(engine, run_id, status, finished_at)
 
 

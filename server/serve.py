@@ -6,6 +6,7 @@ import logging
 import threading
 from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
@@ -13,9 +14,25 @@ from .app import create_app
 from .db import resolve_database_url
 from .settings import Settings
 
-__all__ = ["run_server"]
+if TYPE_CHECKING:
+    import uvicorn
+
+__all__ = ["run_server", "uvicorn_config"]
 
 log = logging.getLogger(__name__)
+
+
+def uvicorn_config(app: FastAPI, settings: Settings, **overrides: object) -> uvicorn.Config:
+    """uvicorn's configuration for ``app``. uvicorn's own proxy-header handling is off (by default it
+    believes ``X-Forwarded-For`` from loopback, so every local process could pose as any client): the
+    edge (``server/edge.py``) reads ``X-Forwarded-For`` only from the peers in
+    ``settings.forwarded_allow_ips``."""
+    import uvicorn
+
+    kw: dict[str, Any] = {"host": settings.host, "port": settings.port, "log_level": "info", "lifespan": "on",
+                          "timeout_graceful_shutdown": 10, "access_log": False, "proxy_headers": False}
+    kw.update(overrides)
+    return uvicorn.Config(app, **kw)
 
 
 def run_server(settings: Settings, *, app_factory: Callable[..., FastAPI] = create_app,
@@ -30,11 +47,7 @@ def run_server(settings: Settings, *, app_factory: Callable[..., FastAPI] = crea
     url, pg = resolve_database_url(settings.database_url, settings.data_dir)
     try:
         app = app_factory(settings, database_url=url)
-        config = uvicorn.Config(
-            app, host=settings.host, port=settings.port, log_level="info", lifespan="on",
-            timeout_graceful_shutdown=10, access_log=False,
-        )
-        server = uvicorn.Server(config)
+        server = uvicorn.Server(uvicorn_config(app, settings))
         if on_ready is not None:
             base = f"http://{settings.host}:{settings.port}"
 

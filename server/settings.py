@@ -10,7 +10,10 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["Settings", "default_data_dir"]
+__all__ = ["Settings", "default_data_dir", "MAX_RETENTION_DAYS"]
+
+#: the longest retention limit, in days (100 years)
+MAX_RETENTION_DAYS = 36_500.0
 
 
 def default_data_dir() -> Path:
@@ -34,8 +37,13 @@ class Settings(BaseSettings):
                                      "and the bind address ('*': any)")
     allow_public_unauthenticated: bool = Field(default=False, description="serve reads on a non-loopback address "
                                                "without --read-auth")
-    auth_fail_limit: int = Field(default=20, description="failed authentications per client per window before 429")
-    auth_fail_window_s: float = Field(default=60.0, description="the window of auth_fail_limit")
+    auth_fail_limit: int = Field(default=20, ge=1, le=100_000, description=(
+        "failed authentications per client address per window; beyond it each further failing request gets "
+        "429 (a request with a valid token still passes)"))
+    auth_fail_window_s: float = Field(default=60.0, gt=0, description="the window of auth_fail_limit")
+    forwarded_allow_ips: Annotated[list[str], NoDecode] = Field(default_factory=list, description=(
+        "addresses or networks of proxies whose X-Forwarded-For names the client (comma-separated; '*': any "
+        "peer). Empty (default): X-Forwarded-For is ignored, the TCP peer is the client"))
     max_trace_body_bytes: int = Field(default=8 * 1024 * 1024, description="trace-summary upload limit (413)")
     migrate: bool = True
     max_body_bytes: int = Field(default=32 * 1024 * 1024, description="ingest body limit, as sent (413)")
@@ -49,10 +57,13 @@ class Settings(BaseSettings):
     compaction_workers: int = Field(default=0, ge=0, le=64, description=(
         "compaction processes; 0: a thread of the server process compacts. With N > 0 the server only "
         "serves and N worker processes compact in parallel (partitioned by run)"))
-    retention_blocks_days: float | None = Field(default=None, ge=0, description=(
-        "drop a finished run's per-rank blocks this many days after it last changed (None: keep)"))
-    retention_rollups_days: float | None = Field(default=None, ge=0, description="drop its per-step rows too")
-    retention_runs_days: float | None = Field(default=None, ge=0, description="delete the run")
+    retention_blocks_days: float | None = Field(default=None, ge=0, le=MAX_RETENTION_DAYS, allow_inf_nan=False,
+                                                description=("drop a finished run's per-rank blocks this many days "
+                                                             "after it last changed (None: keep)"))
+    retention_rollups_days: float | None = Field(default=None, ge=0, le=MAX_RETENTION_DAYS, allow_inf_nan=False,
+                                                 description="drop its per-step rows too")
+    retention_runs_days: float | None = Field(default=None, ge=0, le=MAX_RETENTION_DAYS, allow_inf_nan=False,
+                                              description="delete the run")
     retention_overrides: dict[str, dict[str, float | None]] | None = Field(default=None, description=(
         'per family: {"family": {"blocks_days": 7, "rollups_days": 90, "runs_days": null}} (JSON)'))
     retention_interval_s: float = Field(default=3600.0, gt=0, description="how often retention is applied")
@@ -70,12 +81,28 @@ class Settings(BaseSettings):
     def _overrides(cls, v: Any) -> Any:
         return parse_overrides(v)
 
-    @field_validator("allowed_hosts", mode="before")
+    @field_validator("allowed_hosts", "forwarded_allow_ips", mode="before")
     @classmethod
     def _comma_separated(cls, v: Any) -> Any:
         """FLEETSCOPE_ALLOWED_HOSTS=a.example.com,b.example.com"""
         if isinstance(v, str):
             return [h.strip() for h in v.split(",") if h.strip()]
+        return v
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _ip_networks(cls, v: list[str]) -> list[str]:
+        """Each entry an IP address or network (10.0.0.0/8, ::1), or '*'."""
+        import ipaddress
+
+        for a in v:
+            if a == "*":
+                continue
+            try:
+                ipaddress.ip_network(a, strict=False)
+            except ValueError:
+                raise ValueError(f"forwarded_allow_ips: {a[:80]!r} is not an IP address or network "
+                                 "(give addresses or CIDR networks, comma-separated, or '*')") from None
         return v
 
 
@@ -97,6 +124,8 @@ def parse_overrides(v: Any) -> dict[str, dict[str, float]] | None:
         if not isinstance(pol, dict) or not set(pol) <= keys:
             raise ValueError(f"retention_overrides[{fam!r}] must be an object with some of {sorted(keys)}")
         for k, x in pol.items():
-            if x is not None and (not isinstance(x, (int, float)) or isinstance(x, bool) or x < 0):
-                raise ValueError(f"retention_overrides[{fam!r}].{k} must be a number of days ≥ 0 or null")
+            if x is not None and (not isinstance(x, (int, float)) or isinstance(x, bool)
+                                  or not 0 <= x <= MAX_RETENTION_DAYS):
+                raise ValueError(f"retention_overrides[{fam!r}].{k} must be a number of days from 0 to "
+                                 f"{MAX_RETENTION_DAYS:,.0f}, or null")
     return v

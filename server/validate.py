@@ -15,7 +15,19 @@ import numpy as np
 
 from fleetscope.wire import COLLECTIVE_OPS, SECTIONS, WIRE_VERSION, Field
 
-from .jsonsafe import UnsafeValue, check_json, check_text
+from .groups import Group, from_progression, from_ranks
+from .jsonsafe import MAX_ITEMS, UnsafeValue, check_json, check_text
+from .limits import (
+    MAX_COLLECTIVES_PER_RANK_STEP,
+    MAX_EVENT_VALUES,
+    MAX_GROUP_RANKS_LISTED,
+    MAX_HIST_BINS,
+    MAX_HIST_COUNT,
+    MAX_MICROBATCHES,
+    MAX_PIPELINE_STAGES,
+    MAX_REASON_CHARS,
+    MAX_TRACE_SUMMARY_VALUES,
+)
 
 __all__ = ["BatchError", "ValidBatch", "validate_batch", "location", "OP_CODE"]
 
@@ -83,15 +95,22 @@ class ValidBatch:
     modality_tokens: dict[str, np.ndarray] = field(default_factory=dict)
     phases: dict[str, np.ndarray] = field(default_factory=dict)
     ranks: list[dict[str, Any]] = field(default_factory=list)
+    #: events for ``run_events`` (rank, seq, kind, ts, step, data, folded: data was cut to a bound)
     events: list[dict[str, Any]] = field(default_factory=list)
+    #: ``comm_group`` descriptions: each distinct group once, with how many descriptions of it came
+    groups: list[tuple[Group, int]] = field(default_factory=list)
 
     def count(self, section: str) -> int:
         cols = getattr(self, section)
         return 0 if not cols else len(cols["rank"])
 
     @property
+    def n_group_descriptions(self) -> int:
+        return sum(n for _, n in self.groups)
+
+    @property
     def n_records(self) -> int:
-        return sum(self.count(s) for s in SECTIONS) + len(self.ranks) + len(self.events)
+        return sum(self.count(s) for s in SECTIONS) + len(self.ranks) + len(self.events) + self.n_group_descriptions
 
 
 _INT32_FIELDS = {"rank", "step", "seq", "group_size", "calls", "flags"}
@@ -272,7 +291,35 @@ def _section(
         if bad.any():
             i = int(np.argmax(bad))
             raise BatchError(_loc(section, i, "exposed_s", index_map), "exceeds total_s", got=float(cols["exposed_s"][i]))
+    if section == "collectives":
+        _collectives_per_rank_step(cols, index_map)
     return cols
+
+
+def _collectives_per_rank_step(cols: dict[str, np.ndarray], index_map: list[int] | None) -> None:
+    """At most ``MAX_COLLECTIVES_PER_RANK_STEP`` collective records of one (step, rank) in a batch: 422
+    naming the limit, the step and the rank, located at the first record beyond it (batch order)."""
+    n = len(cols["rank"])
+    if n <= MAX_COLLECTIVES_PER_RANK_STEP:
+        return
+    key = cols["step"].astype(np.int64) * (1 << 32) + cols["rank"].astype(np.int64)
+    order = np.argsort(key, kind="stable")
+    sk = key[order]
+    starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
+    counts = np.diff(np.r_[starts, n])
+    over = np.flatnonzero(counts > MAX_COLLECTIVES_PER_RANK_STEP)
+    if not len(over):
+        return
+    g = int(over[0])
+    i = int(order[starts[g] + MAX_COLLECTIVES_PER_RANK_STEP])
+    step, rank = int(sk[starts[g]] >> 32), int(sk[starts[g]] & 0xFFFFFFFF)
+    raise BatchError(
+        _loc("collectives", i, "seq", index_map),
+        f"step {step}, rank {rank} has {int(counts[g])} collective records in this batch; the limit is "
+        f"MAX_COLLECTIVES_PER_RANK_STEP = {MAX_COLLECTIVES_PER_RANK_STEP} per rank-step (aggregate calls into "
+        "fewer records: the 'calls' field)",
+        got=int(counts[g]),
+    )
 
 
 def _rows_to_columns(records: Any) -> tuple[dict[str, dict[str, list]], dict[str, list[int]], list, list]:
@@ -287,6 +334,9 @@ def _rows_to_columns(records: Any) -> tuple[dict[str, dict[str, list]], dict[str
         if not isinstance(rec, dict):
             raise BatchError(f"records[{i}]", f"must be an object, got {type(rec).__name__}")
         kind = rec.get("kind")
+        if not isinstance(kind, str):  # a list or an object is unhashable: say so, do not fail the lookup
+            raise BatchError(f"records[{i}].kind", "is required" if kind is None else "must be a string (the record "
+                             "kind: rank_step, collective, modality_tokens, phase, rank or event)", got=kind)
         if kind == "rank":
             ranks.append((i, {k: v for k, v in rec.items() if k != "kind"}))
             continue
@@ -296,7 +346,7 @@ def _rows_to_columns(records: Any) -> tuple[dict[str, dict[str, list]], dict[str
             ev["kind"] = rec.get("event")
             events.append((i, ev))
             continue
-        sec = kind_to_section.get(kind)  # type: ignore[arg-type]
+        sec = kind_to_section.get(kind)
         if sec is None:
             raise BatchError(f"records[{i}].kind", "unknown record kind (expected one of rank_step, collective, modality_tokens, phase, rank, event)", got=kind)
         fields = SECTIONS[sec][1]
@@ -355,36 +405,259 @@ def _ranks(items: list[tuple[str, Any]], world_size: int) -> list[dict[str, Any]
     return out
 
 
-def _events(items: list[tuple[str, Any]], world_size: int) -> list[dict[str, Any]]:
+def _events(items: list[tuple[str, Any]], world_size: int) -> tuple[list[dict[str, Any]], list[tuple[Group, int]]]:
+    """Events for ``run_events``, and the ``comm_group`` descriptions (each distinct group once, with its
+    count): every event's data is bounded here (``_event_data``), never read back unbounded."""
     out = []
+    groups: dict[tuple[str, bytes], list[Any]] = {}
     for where, e in items:
         rank = _object_with_rank(e, where, _EVENT_KEYS, world_size)
         kind = e.get("kind")
+        kind_where = f"{where}.event" if where.startswith("records[") else f"{where}.kind"  # row form: "event"
         try:
             check_text(kind, "kind", max_len=64)
         except UnsafeValue as err:
-            raise BatchError(f"{where}.kind", err.message, got=kind) from None
+            raise BatchError(kind_where, err.message, got=kind) from None
         ts = e.get("ts")
         if ts is not None and (type(ts) not in (int, float) or not 0 <= ts <= _MAX_UNIX_TS):
             raise BatchError(f"{where}.ts", f"must be a unix time in seconds (0..{_MAX_UNIX_TS:.0e})", got=ts)
+        seq = _int(e.get("seq"), f"{where}.seq")
+        step = _int(e.get("step"), f"{where}.step", optional=True)
         data = e.get("data") or {}
         if not isinstance(data, dict):
             raise BatchError(f"{where}.data", "must be an object", got=data)
+        if kind == "comm_group":  # stored once per group in run_groups, not per rank in run_events
+            g = _comm_group(data, f"{where}.data", world_size)
+            if g is not None:
+                groups.setdefault((g.dim, g.key), [g, 0])[1] += 1
+            continue
+        data, folded = _event_data(kind, data, f"{where}.data")
+        out.append({"rank": rank, "seq": seq, "kind": kind, "ts": ts, "step": step, "data": data, "folded": folded})
+    return out, [(g, n) for g, n in groups.values()]
+
+
+# --------------------------------------------------------------------------- event data bounds
+
+
+def _json(data: Any, where: str, limit: int, name: str = "MAX_EVENT_VALUES") -> None:
+    """JSON-safe (``check_json``) with at most ``limit`` values; the error names the limit (``name``)."""
+    try:
+        check_json(data, where, max_items=limit)
+    except UnsafeValue as err:
+        if err.where == where and err.message.startswith("has more than"):
+            raise BatchError(where, f"has more than {limit} values (the limit {name} per event)") from None
+        raise BatchError(err.where, err.message) from None
+
+
+def _values(x: Any) -> int:
+    """JSON values in ``x`` as ``check_json`` counts them (each scalar, list and object is one)."""
+    if isinstance(x, dict):
+        return 1 + sum(_values(v) for v in x.values())
+    if isinstance(x, list):
+        return 1 + sum(_values(v) for v in x)
+    return 1
+
+
+def _bounded_int(data: dict[str, Any], name: str, lo: int, hi: int, where: str, *, limit: str = "",
+                 required: bool = False) -> int | None:
+    """``data[name]``: an integer in lo..hi (None when absent or null, unless ``required``)."""
+    v = data.get(name)
+    if v is None:
+        if required:
+            raise BatchError(f"{where}.{name}", "is required")
+        return None
+    if type(v) is not int or not lo <= v <= hi:
+        raise BatchError(f"{where}.{name}", f"must be an integer in {lo}..{hi}" + (f" ({limit})" if limit else ""), got=v)
+    return v
+
+
+def _count(data: dict[str, Any], name: str, where: str) -> None:
+    """``data[name]`` when present: a count, a finite number in 0..MAX_HIST_COUNT."""
+    v = data.get(name)
+    if v is not None and (type(v) not in (int, float) or not 0 <= v <= MAX_HIST_COUNT):
+        raise BatchError(f"{where}.{name}", f"must be a count in 0..{MAX_HIST_COUNT:.0e} (MAX_HIST_COUNT)", got=v)
+
+
+def cut_reason(s: str) -> str:
+    """A reason as kept: at most MAX_REASON_CHARS characters, a longer one cut and marked with "…"."""
+    return s if len(s) <= MAX_REASON_CHARS else s[: MAX_REASON_CHARS - 1] + "…"
+
+
+def _reason(d: dict[str, Any], key: str) -> bool:
+    """Cut ``d[key]`` to MAX_REASON_CHARS when it is a longer string; True when it was cut."""
+    v = d.get(key)
+    if isinstance(v, str) and len(v) > MAX_REASON_CHARS:
+        d[key] = cut_reason(v)
+        return True
+    return False
+
+
+def _seq_lens(data: dict[str, Any], where: str) -> bool:
+    bins = data.get("bins")
+    if bins is not None:
+        if not isinstance(bins, dict):
+            raise BatchError(f"{where}.bins", "must be an object {log2 bin: count}", got=bins)
+        if len(bins) > MAX_HIST_BINS:
+            raise BatchError(f"{where}.bins", f"has {len(bins)} bins; at most {MAX_HIST_BINS} (MAX_HIST_BINS)")
+        norm: dict[str, Any] = {}
+        for k, v in bins.items():
+            if not (k.isascii() and k.isdigit() and int(k) < MAX_HIST_BINS):
+                raise BatchError(f"{where}.bins.{k[:16]}", f"must be a bin number 0..{MAX_HIST_BINS - 1} (MAX_HIST_BINS)",
+                                 got=k)
+            _count(bins, k, f"{where}.bins")
+            norm[str(int(k))] = v
+        data["bins"] = norm
+    _bounded_int(data, "steps", 0, _MAX_INT32, where)
+    return False
+
+
+def _pp_stage(data: dict[str, Any], where: str) -> bool:
+    for name in ("stage", "group_rank"):
+        _bounded_int(data, name, 0, MAX_PIPELINE_STAGES - 1, where, limit="MAX_PIPELINE_STAGES")
+    for name in ("num_stages", "group_size"):
+        _bounded_int(data, name, 0, MAX_PIPELINE_STAGES, where, limit="MAX_PIPELINE_STAGES")
+    return False
+
+
+def _pp_schedule(data: dict[str, Any], where: str) -> bool:
+    _bounded_int(data, "n_microbatches", 0, MAX_MICROBATCHES, where, limit="MAX_MICROBATCHES")
+    stages = data.get("stages")
+    if stages is not None:
+        if not isinstance(stages, list) or len(stages) > MAX_PIPELINE_STAGES:
+            raise BatchError(f"{where}.stages", f"must be a list of at most {MAX_PIPELINE_STAGES} stage indices "
+                             "(MAX_PIPELINE_STAGES)", got=stages)
+        for i, v in enumerate(stages):
+            if type(v) is not int or not 0 <= v < MAX_PIPELINE_STAGES:
+                raise BatchError(f"{where}.stages[{i}]", f"must be a stage index in 0..{MAX_PIPELINE_STAGES - 1} "
+                                 "(MAX_PIPELINE_STAGES)", got=v)
+    return False
+
+
+def _compile(data: dict[str, Any], where: str) -> bool:
+    return _reason(data, "reason")
+
+
+def _graph_break(data: dict[str, Any], where: str) -> bool:
+    return _reason(data, "reason")
+
+
+_REASON_LISTS = ("graph_breaks", "recompile_reasons")
+
+
+def _num_or_0(v: Any) -> float:
+    return float(v) if type(v) in (int, float) else 0.0
+
+
+def _compile_summary(data: dict[str, Any], where: str) -> bool:
+    """Reasons cut; when its reason lists make the event larger than MAX_EVENT_VALUES, the least frequent
+    reasons are folded into ``reasons_dropped`` (the agent keeps up to 200 of each). Malformed fields
+    are kept as sent: the read side ignores them (``store/compile.py``)."""
+    folded = False
+    items: list[tuple[str, dict[str, Any]]] = []
+    for key in _REASON_LISTS:
+        lst = data.get(key)
+        if not isinstance(lst, list):
+            continue
+        for it in lst:
+            if isinstance(it, dict):
+                folded |= _reason(it, "reason")
+                items.append((key, it))
+    over = _values(data) - MAX_EVENT_VALUES
+    if over > 0 and items:
+        # drop the least frequent reasons until the event fits (each costs its values)
+        order = sorted(range(len(items)), key=lambda j: (-_num_or_0(items[j][1].get("count")), j))
+        keep = set(order)
+        dropped = 0
+        for j in reversed(order):
+            if over <= 0:
+                break
+            keep.discard(j)
+            over -= _values(items[j][1])
+            dropped += 1
+        gone = {id(it) for j, (_k, it) in enumerate(items) if j not in keep}
+        for key in _REASON_LISTS:
+            if isinstance(data.get(key), list):
+                data[key] = [it for it in data[key] if id(it) not in gone]
+        prev = data.get("reasons_dropped")
+        data["reasons_dropped"] = (prev if isinstance(prev, (int, float)) and not isinstance(prev, bool) else 0) + dropped
+        folded = True
+    return folded
+
+
+#: per-kind checks of the kinds the server reads (``store/events.py``, ``store/compile.py``):
+#: histogram and pipeline sizes refused beyond their bound (422 naming it), reasons cut (folded; the
+#: compile kinds' numbers are not refused: their reader ignores what is not a count in range);
+#: True = something was folded
+_KIND_CHECKS: dict[str, Callable[[dict[str, Any], str], bool]] = {
+    "seq_lens": _seq_lens,
+    "pp_stage": _pp_stage,
+    "pp_schedule": _pp_schedule,
+    "compile": _compile,
+    "graph_break": _graph_break,
+    "compile_summary": _compile_summary,
+}
+
+
+def _event_data(kind: str, data: dict[str, Any], where: str) -> tuple[dict[str, Any], bool]:
+    """The event's data as stored, and whether it was folded: at most MAX_EVENT_VALUES JSON values
+    (compile_summary: folded to fit), the kind's own bounds (``_KIND_CHECKS``)."""
+    check = _KIND_CHECKS.get(kind)
+    if kind == "trace_summary":  # the agent's trace reduction: bounded more loosely (MAX_TRACE_SUMMARY_VALUES)
+        _json(data, where, MAX_TRACE_SUMMARY_VALUES, "MAX_TRACE_SUMMARY_VALUES")
+        return data, False
+    if kind != "compile_summary":
+        _json(data, where, MAX_EVENT_VALUES)
+        return data, check(data, where) if check is not None else False
+    _json(data, where, MAX_ITEMS)  # its reason lists are folded to MAX_EVENT_VALUES first
+    folded = _compile_summary(data, where)
+    if _values(data) > MAX_EVENT_VALUES:
+        raise BatchError(where, f"has more than {MAX_EVENT_VALUES} values (the limit MAX_EVENT_VALUES per event)")
+    return data, folded
+
+
+def _comm_group(data: dict[str, Any], where: str, world_size: int) -> Group | None:
+    """A ``comm_group`` description → its group: ``{"dim", "size", "start", "stride", "group"}`` for a
+    progression (any size), else ``{"dim", "size", "ranks": [...], "group"}`` with at most
+    MAX_GROUP_RANKS_LISTED ranks (older agents listed the first 256). None: no membership given."""
+    _json({k: v for k, v in data.items() if k != "ranks"}, where, MAX_EVENT_VALUES)
+    try:
+        dim = check_text(data.get("dim"), "dim", max_len=64)
+    except UnsafeValue as err:
+        raise BatchError(f"{where}.dim", err.message, got=data.get("dim")) from None
+    name = data.get("group")
+    if name is not None:
         try:
-            check_json(data, f"{where}.data")
+            check_text(name, "group", max_len=64, allow_empty=True)
         except UnsafeValue as err:
-            raise BatchError(err.where, err.message) from None
-        out.append(
-            {
-                "rank": rank,
-                "seq": _int(e.get("seq"), f"{where}.seq"),
-                "kind": kind,
-                "ts": ts,
-                "step": _int(e.get("step"), f"{where}.step", optional=True),
-                "data": data,
-            }
-        )
-    return out
+            raise BatchError(f"{where}.group", err.message, got=name) from None
+    size = _bounded_int(data, "size", 1, world_size, where, limit="the run's world size")
+    if data.get("start") is not None or data.get("stride") is not None:
+        start = _bounded_int(data, "start", 0, world_size - 1, where, required=True)
+        stride = _bounded_int(data, "stride", 1, world_size, where, required=True)
+        if size is None:
+            raise BatchError(f"{where}.size", "is required with start and stride")
+        assert start is not None and stride is not None
+        if start + stride * (size - 1) >= world_size:
+            raise BatchError(f"{where}.size", f"start + stride × (size − 1) must be < the run's world_size {world_size}",
+                             got=size)
+        return from_progression(dim, start, stride, size, name)
+    ranks = data.get("ranks")
+    if ranks is None:
+        return None
+    if not isinstance(ranks, list):
+        raise BatchError(f"{where}.ranks", "must be a list of global ranks", got=ranks)
+    if len(ranks) > MAX_GROUP_RANKS_LISTED:
+        raise BatchError(f"{where}.ranks", f"lists {len(ranks)} ranks; at most {MAX_GROUP_RANKS_LISTED} "
+                         "(MAX_GROUP_RANKS_LISTED: send a larger group as start/stride/size)")
+    bad = next((i for i, r in enumerate(ranks) if type(r) is not int or not 0 <= r < world_size), None)
+    if bad is not None:
+        raise BatchError(f"{where}.ranks[{bad}]", f"must be a rank in 0..{world_size - 1}", got=ranks[bad])
+    arr = np.unique(np.array(ranks, dtype=np.int64))
+    if size is None:
+        size = len(arr)
+    if len(arr) > size:
+        raise BatchError(f"{where}.size", f"is smaller than the {len(arr)} ranks listed", got=size)
+    return from_ranks(dim, arr, size, name)
 
 
 def validate_batch(doc: Any, world_size_of: Callable[[int], int | None]) -> ValidBatch:
@@ -427,5 +700,5 @@ def validate_batch(doc: Any, world_size_of: Callable[[int], int | None]) -> Vali
             raise BatchError(key, f"must be an array, got {type(val).__name__}")
         items.extend((f"{key}[{i}]", x) for i, x in enumerate(val))
     out.ranks = _ranks(rank_items, world_size)
-    out.events = _events(event_items, world_size)
+    out.events, out.groups = _events(event_items, world_size)
     return out

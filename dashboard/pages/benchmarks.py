@@ -6,12 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import dash
-from dash import Input, Output, callback, clientside_callback, dcc, html
+from dash import Input, Output, clientside_callback, dcc, html
 from fleetscope.server import reports
 
 from .. import _state
 from .. import figures as F
-from ..components import URL_SYNC_JS, empty_state, graph, loading, page_header, section
+from ..components import URL_SYNC_JS, callback, empty_state, graph, loading, page_header, section
 
 dash.register_page(__name__, path="/benchmarks", name="Benchmarks", title="fleetscope · benchmarks", order=5)
 

@@ -6,15 +6,17 @@ runs below when chosen. Read through ``reports.node_list`` / ``reports.node_deta
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 import dash
-from dash import Input, Output, callback, clientside_callback, dcc, html
+from dash import Input, Output, clientside_callback, dcc, html
 from fleetscope.server import reports
 
 from .. import _state
 from .. import figures as F
 from ..components import (
     URL_SYNC_JS,
+    callback,
     empty_state,
     graph,
     kpi,
@@ -35,8 +37,8 @@ CHART = "cluster-chart"
 TABLE = "cluster-table"
 DETAIL = "cluster-detail"
 EMPTY = "cluster-empty"
-CHART_NODES = 30  # nodes drawn in the chart (the table lists them all)
-TABLE_NODES = 500
+CHART_NODES = 30  # nodes drawn in the chart (the worst of the table's)
+TABLE_NODES = 200  # nodes listed, worst first (one page of GET /api/v1/nodes; "showing N of M" says how many more)
 
 
 def layout(node: str | None = None, **_: Any) -> html.Div:
@@ -74,12 +76,13 @@ def _mb(n: dict[str, Any], name: str) -> str:
     return f"{fmt_num(f['value'])} {f.get('unit') or ''}{vs}"
 
 
+@F.guarded
 def slowed_figure(nodes: list[dict[str, Any]]) -> dict[str, Any]:
     """Runs each node slowed, split by cause: straggler ranks and slow network (most first)."""
     top = [n for n in nodes if n["slowed_runs"]][:CHART_NODES]
     if not top:
         return F.empty_figure("No node slowed a job: no straggler rank and no network-slow node in any run.")
-    x = [n["node"] for n in top]
+    x = [F.plain(n["node"]) for n in top]  # node names are user text: escaped for Plotly
     data = [{"type": "bar", "name": label, "x": x, "y": [n[key] for n in top], "marker": {"color": color},
              "hovertemplate": "%{x}: %{y} run(s) " + label + "<extra></extra>"}
             for key, label, color in (("straggler_runs", "with a straggler rank", SERIES_COLORS[1]),
@@ -95,7 +98,7 @@ def slowed_figure(nodes: list[dict[str, Any]]) -> dict[str, Any]:
 def _table(nodes: list[dict[str, Any]]) -> html.Table:
     rows = []
     for i, n in enumerate(nodes, 1):
-        rows.append([i, dcc.Link(n["node"], href=f"/cluster?node={n['node']}"), n["runs"],
+        rows.append([i, dcc.Link(n["node"], href=f"/cluster?node={quote(n['node'], safe='')}"), n["runs"],
                      f"{n['slowed_runs']}" + (f" ({fmt_pct(n['slowed_share'], 0)})" if n["slowed_share"] is not None else ""),
                      n["straggler_runs"], n["slow_network_runs"],
                      fmt_num(n["busbw_ratio_median"]), fmt_num(n["latency_ratio_median"]), fmt_time(n["last_seen"]),
@@ -129,14 +132,15 @@ def _detail(node: str | None) -> Any:
 def _fill(node: str | None) -> tuple[Any, ...]:
     data = reports.node_list(_state.engine(), limit=TABLE_NODES)
     nodes = data["nodes"]
-    slowed = [n for n in nodes if n["slowed_runs"]]
     kpis = kpi_strip([
         kpi("nodes", f"{data['total']:,}"),
-        kpi("slowed a job", f"{len(slowed):,}", tone="bad" if slowed else None),
-        kpi("network-slow", f"{sum(1 for n in nodes if n['slow_network_runs']):,}"),
+        kpi("slowed a job", f"{data['slowed_total']:,}", tone="bad" if data["slowed_total"] else None),
+        kpi("network-slow", f"{data['slow_network_total']:,}"),
         kpi("runs not assessed yet", f"{data['pending_runs']:,}", "brought up to date on the next loads"),
     ], kid="cluster-kpi-strip")
-    return kpis, slowed_figure(nodes), _table(nodes), _detail(node)
+    shown = html.Div(f"Showing the {len(nodes):,} worst of {data['total']:,} nodes" if data["total"] > len(nodes)
+                     else f"Showing all {len(nodes):,} nodes", className="fs-muted", id="cluster-shown")
+    return kpis, slowed_figure(nodes), html.Div([shown, _table(nodes)]), _detail(node)
 
 
 clientside_callback(f"function(n) {{ return ({URL_SYNC_JS})([['node', n]]); }}", Output(URL, "data"), Input(NODE, "value"))

@@ -7,12 +7,22 @@ from __future__ import annotations
 from typing import Any
 
 import dash
-from dash import Input, Output, callback, clientside_callback, dcc, html
+from dash import Input, Output, clientside_callback, dcc, html
 from fleetscope.server import reports
 
 from .. import _state
 from .. import figures as F
-from ..components import URL_SYNC_JS, empty_state, graph, loading, page_header, section, simple_table
+from ..components import (
+    URL_SYNC_JS,
+    callback,
+    contained,
+    empty_state,
+    graph,
+    loading,
+    page_header,
+    section,
+    simple_table,
+)
 from ..theme import fmt_bytes, fmt_num, fmt_pct, fmt_s
 
 dash.register_page(__name__, path="/compare", name="Compare", title="fleetscope · compare", order=3)
@@ -99,6 +109,16 @@ def _fill(ids: list[int] | None, only_diff: list[str] | None) -> tuple[Any, ...]
     data = reports.compare_view(_state.engine(), ids)
     names = {r["id"]: r["name"] for r in data["runs"]}
     runs = data["runs"]
+    by_dim = {r["id"]: data["comm_by_dim"].get(r["id"]) or {} for r in runs}
+    return (_metrics(data, by_dim), F.compare_series_figure(data["series"], names),
+            F.compare_decomposition_figure(data["metrics"], names),
+            F.compare_comm_dims_figure({r["id"]: by_dim[r["id"]] for r in runs}, names), _config(data, only_diff))
+
+
+@contained("metrics diff")
+def _metrics(data: dict[str, Any], by_dim: dict[int, dict[str, Any]]) -> Any:
+    runs = data["runs"]
+    names = {r["id"]: r["name"] for r in runs}
     head = ["metric"] + [html.A(names[r["id"]], href=f"/runs/{r['id']}") for r in runs]
     rows = []
     for key, label, fmt, hib in METRIC_ROWS:
@@ -107,7 +127,6 @@ def _fill(ids: list[int] | None, only_diff: list[str] | None) -> tuple[Any, ...]
             continue
         b = vals[0]
         rows.append([label] + [html.Span([fmt(v), _delta(v, b, hib) if i else None]) for i, v in enumerate(vals)])
-    by_dim = {r["id"]: data["comm_by_dim"].get(r["id"]) or {} for r in runs}
     for dim in dict.fromkeys(d for by in by_dim.values() for d in by):
         # a run with collectives but none in this dimension spends 0 s in it; one with none at all: not measured
         vals = [((by_dim[r["id"]].get(dim) or {}).get("exposed_s") or 0.0) if by_dim[r["id"]] else None for r in runs]
@@ -117,8 +136,14 @@ def _fill(ids: list[int] | None, only_diff: list[str] | None) -> tuple[Any, ...]
             ["device"] + [r.get("device_type") or "–" for r in runs], ["commit"] + [r.get("git_commit") or "–" for r in runs]]
     missing = (html.Div(f"Unknown run ids ignored: {', '.join(map(str, data['missing']))}", className="fs-footnote")
                if data["missing"] else None)
-    metrics = html.Div([simple_table(head, info + rows, numeric=tuple(range(1, len(runs) + 1)), tid="compare-diff"),
-                        html.Div("Δ is relative to the first run; green = better.", className="fs-footnote"), missing])
+    return html.Div([simple_table(head, info + rows, numeric=tuple(range(1, len(runs) + 1)), tid="compare-diff"),
+                     html.Div("Δ is relative to the first run; green = better.", className="fs-footnote"), missing])
+
+
+@contained("config diff")
+def _config(data: dict[str, Any], only_diff: list[str] | None) -> Any:
+    runs = data["runs"]
+    names = {r["id"]: r["name"] for r in runs}
     cfg_rows = [c for c in data["config"] if c["differs"] or not only_diff]
     if cfg_rows:
         cfg = simple_table(["key"] + [names[r["id"]] for r in runs],
@@ -127,9 +152,7 @@ def _fill(ids: list[int] | None, only_diff: list[str] | None) -> tuple[Any, ...]
     else:
         cfg = html.Div("The configs are identical." if data["config"] else "No config recorded for these runs.",
                        className="fs-muted")
-    return (metrics, F.compare_series_figure(data["series"], names),
-            F.compare_decomposition_figure(data["metrics"], names),
-            F.compare_comm_dims_figure({r["id"]: by_dim[r["id"]] for r in runs}, names), cfg)
+    return cfg
 
 
 clientside_callback(

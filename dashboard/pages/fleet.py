@@ -6,12 +6,22 @@ from __future__ import annotations
 from typing import Any
 
 import dash
-from dash import Input, Output, callback, clientside_callback, dash_table, dcc, html
+from dash import Input, Output, clientside_callback, dash_table, dcc, html
 from dash.dash_table.Format import Format, Scheme
 from fleetscope.server import reports
 
 from .. import _state
-from ..components import URL_SYNC_JS, empty_state, kpi, kpi_strip, loading, md_escape, page_header
+from ..components import (
+    URL_SYNC_JS,
+    callback,
+    contained,
+    empty_state,
+    kpi,
+    kpi_strip,
+    loading,
+    md_escape,
+    page_header,
+)
 from ..theme import FONT, fmt_num, fmt_time
 
 dash.register_page(__name__, path="/", name="Fleet", title="fleetscope · fleet", order=0)
@@ -104,10 +114,36 @@ def layout(family: str | None = None, status: str | None = None, q: str | None =
     ])
 
 
+def _run_link(r: Any) -> str:
+    """The run's name (Markdown-escaped) linking to its page."""
+    r = r if isinstance(r, dict) else {}
+    name = md_escape(r.get("name") or "?")
+    try:
+        return f"[{name}](/runs/{int(r['id'])})"
+    except (KeyError, TypeError, ValueError):
+        return name
+
+
+def _failed_row(why: str, r: Any) -> dict[str, Any]:
+    """A run whose row could not be built stays listed (linked), its figures replaced by the reason."""
+    r = r if isinstance(r, dict) else {}
+    return {"name": _run_link(r), "model_family": str(r.get("model_family") or "–"), "bottleneck": f"could not render: {why}"}
+
+
+def _bottleneck(top: dict[str, Any] | None) -> str:
+    """The top bottleneck's share and Amdahl ceiling (unbounded when it is the whole step)."""
+    if not top:
+        return "–"
+    share = top.get("share")
+    ceiling = top.get("max_speedup")
+    return (f"{top.get('component') or '?'} {f'{share * 100:.0f} %' if share is not None else '–'} · "
+            + (f"≤{ceiling:.2f}×" if ceiling else "unbounded"))
+
+
+@contained("fleet row", fallback=_failed_row, key=lambda r: f"run {r.get('id')}" if isinstance(r, dict) else "")
 def _row(r: dict[str, Any]) -> dict[str, Any]:
-    top = r.get("top_bottleneck")
     return {
-        "name": f"[{md_escape(r['name'])}](/runs/{int(r['id'])})",
+        "name": _run_link(r),
         "model_family": r.get("model_family") or "–",
         "world_size": r.get("world_size"),
         "device_type": r.get("device_type") or "–",
@@ -119,7 +155,7 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_s_per_gpu": r.get("tokens_per_s_per_gpu"),
         "step_s_p50": r.get("step_s_p50"),
         "step_s_p95": r.get("step_s_p95"),
-        "bottleneck": f"{top['component']} {top['share'] * 100:.0f} % · ≤{top['max_speedup']:.2f}×" if top else "–",
+        "bottleneck": _bottleneck(r.get("top_bottleneck")),
         "alerts_firing": r.get("alerts_firing", 0),
     }
 

@@ -4,14 +4,25 @@ the change point marked, before/after levels, and links to the run and its commi
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 import dash
-from dash import Input, Output, callback, dcc, html
+from dash import Input, Output, dcc, html
 from fleetscope.server import reports
 
 from .. import _state
 from .. import figures as F
-from ..components import empty_state, graph, loading, page_header, section, simple_table
+from ..components import (
+    callback,
+    contained,
+    empty_state,
+    graph,
+    loading,
+    page_header,
+    render_error,
+    section,
+    simple_table,
+)
 from ..theme import fmt_time
 
 dash.register_page(__name__, path="/regressions", name="Regressions", title="fleetscope · regressions", order=4)
@@ -46,7 +57,7 @@ def _series_label(a: dict[str, Any]) -> Any:
     d = a.get("details") or {}
     if a["kind"] == "benchmark":
         params = ", ".join(f"{k}={v}" for k, v in sorted((d.get("params") or {}).items()))
-        return dcc.Link(f"{d.get('cluster', '?')} · {params}", href=f"/benchmarks?cluster={d.get('cluster', '')}")
+        return dcc.Link(f"{d.get('cluster', '?')} · {params}", href=f"/benchmarks?cluster={quote(str(d.get('cluster', '')), safe='')}")
     if a["kind"] == "run_series" and d.get("scope") == "family":
         bad = (a.get("first_bad") or {}).get("run_id") or a["run_id"]
         sw = d.get("switch") or {}
@@ -81,16 +92,7 @@ def layout(state: str | None = None, alert: str | None = None, **_: Any) -> html
             ["fleetscope check --server URL --run NAME   # CI gate on one run",
              "fleetscope detect series.json            # the detector on any series"], eid="regressions-empty")])
     sel = next((a for a in alerts if str(a["id"]) == str(alert)), alerts[0])
-    rows = []
-    for a in alerts:
-        on = a["id"] == sel["id"]
-        rows.append([
-            dcc.Link(f"#{a['id']}", href=f"/regressions?state={state}&alert={a['id']}", className="fs-strong" if on else None),
-            a["state"], a["kind"], a["metric"], _series_label(a),
-            _fmt_val(a["metric"], a["before"], (a.get("details") or {}).get("unit")),
-            _fmt_val(a["metric"], a["after"], (a.get("details") or {}).get("unit")),
-            f"{a['change'] * 100:+.1f} %" if a["change"] is not None else "–", fmt_time(a["created_at"]),
-        ])
+    rows = [_alert_row(a, a["id"] == sel["id"], state) for a in alerts]
     table = simple_table(["alert", "state", "kind", "metric", "run / series", "before", "after", "change", "raised (UTC)"], rows,
                          numeric=(5, 6, 7), row_classes=["fs-selected" if a["id"] == sel["id"] else "" for a in alerts],
                          tid=TABLE)
@@ -100,6 +102,21 @@ def layout(state: str | None = None, alert: str | None = None, **_: Any) -> html
                      section(f"{len(alerts)} alerts", html.Div(table, className="fs-scroll fs-tall"))])
 
 
+def _failed_alert_row(why: str, a: dict[str, Any], on: bool, state: str) -> list[Any]:
+    return [f"#{a.get('id')}", a.get("state"), a.get("kind"), a.get("metric"), render_error(why), "", "", "", ""]
+
+
+@contained("alert row", fallback=_failed_alert_row, key=lambda a, *_: f"alert {a.get('id')}")
+def _alert_row(a: dict[str, Any], on: bool, state: str) -> list[Any]:
+    return [
+        dcc.Link(f"#{a['id']}", href=f"/regressions?state={state}&alert={a['id']}", className="fs-strong" if on else None),
+        a["state"], a["kind"], a["metric"], _series_label(a),
+        _fmt_val(a["metric"], a["before"], (a.get("details") or {}).get("unit")),
+        _fmt_val(a["metric"], a["after"], (a.get("details") or {}).get("unit")),
+        f"{a['change'] * 100:+.1f} %" if a["change"] is not None else "–", fmt_time(a["created_at"]),
+    ]
+
+
 @callback(Output(CHART, "figure"), Output(DETAIL, "children"), Input(ALERT, "data"))
 def _detail(alert_id: int) -> tuple[Any, Any]:
     eng = _state.engine()
@@ -107,6 +124,11 @@ def _detail(alert_id: int) -> tuple[Any, Any]:
     if a is None:
         return F.empty_figure("Alert not found."), None
     ser = reports.alert_series(eng, a)
+    return F.alert_series_figure(ser, a), _detail_panel(a)
+
+
+@contained("alert detail")
+def _detail_panel(a: dict[str, Any]) -> Any:
     fb = a.get("first_bad") or {}
     unit = (a.get("details") or {}).get("unit")
     first_bad = ", ".join(f"{k} {fmt_time(v) if k in ('ts', 'started_at') else v}" for k, v in fb.items()
@@ -127,8 +149,7 @@ def _detail(alert_id: int) -> tuple[Any, Any]:
     if isinstance(i, int) and 0 < i < len(runs):
         links.append(dcc.Link("compare last good vs first bad", href=f"/compare?runs={runs[i - 1]},{runs[i]}",
                               className="fs-btn"))
-    return F.alert_series_figure(ser, a), html.Div([*why, simple_table(["", ""], items),
-                                                     html.Div(links, className="fs-inline")])
+    return html.Div([*why, simple_table(["", ""], items), html.Div(links, className="fs-inline")])
 
 
 def _s(v: Any) -> str:
@@ -137,6 +158,7 @@ def _s(v: Any) -> str:
     return "–" if v is None else str(v)
 
 
+@contained("alert explanation", fallback=lambda why, a: [render_error(why)])
 def _why(a: dict[str, Any]) -> list[Any]:
     """The explanation sentence, the components' before → after, and the last good vs first bad run."""
     out: list[Any] = []

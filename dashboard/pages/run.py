@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from urllib.parse import quote
 
 import dash
-from dash import Input, Output, callback, clientside_callback, dcc, html
+from dash import Input, Output, clientside_callback, dcc, html
 from fleetscope.server import reports
 
 from .. import _state
 from .. import figures as F
 from ..components import (
     URL_SYNC_JS,
+    callback,
+    contained,
     empty_state,
     graph,
     kpi,
@@ -56,6 +59,7 @@ KERNELS = "run-kernels"
 COMM_DIMS = "run-comm-dims"
 PIPELINE = "run-pipeline"
 OVERLAP = "run-overlap"
+OVERLAP_BARS = 60  # collectives drawn in the overlap chart (the longest); the API lists up to MAX_PAGE_ROWS
 
 GRAPHS = (DECOMPOSITION, HEATMAP, STRAGGLERS, THROUGHPUT, MEMORY, COLLECTIVES, MODALITY)
 
@@ -87,7 +91,7 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
     if run.get("git_commit"):
         sub.append(f" · commit {run['git_commit']}")
     right = html.Div([dcc.Link("compare with…", href=f"/compare?runs={rid}", className="fs-btn"),
-                      dcc.Link("scaling of family", href=f"/scaling?family={run.get('model_family') or ''}",
+                      dcc.Link("scaling of family", href=f"/scaling?family={quote(run.get('model_family') or '', safe='')}",
                                className="fs-btn") if run.get("model_family") else None])
     return html.Div([
         dcc.Store(id=RUN, data=rid), dcc.Store(id=URL),
@@ -120,6 +124,7 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
     ], className="fs-run")
 
 
+@contained("thinned-run note")
 def _thinned_note(thinned: dict[str, Any] | None) -> html.Div | None:
     """What retention removed from this run (docs/architecture.md, "Retention"), above everything."""
     if not thinned:
@@ -149,6 +154,7 @@ def _findings(summary: dict[str, Any], ranking: list[dict[str, Any]]) -> list[st
     return out
 
 
+@contained("what to fix first")
 def _bottleneck_panel(summary: dict[str, Any], report: dict[str, Any]) -> html.Div:
     """Components ranked by Amdahl ceiling as bars (plain HTML: no chart to initialise), with findings."""
     ranking = report["ranking"]
@@ -186,6 +192,7 @@ def _bottleneck_panel(summary: dict[str, Any], report: dict[str, Any]) -> html.D
 _MAX_PHASE_ROWS = 6  # phases listed in the tile; the rest are summed into one row
 
 
+@contained("compute phases")
 def _phases_kpi(phases: dict[str, float], step_s: float | None) -> Any:
     """Compute split into the phases the agent measured (median step): forward / backward / optimizer
     and the job's own ``run.phase(name)`` phases, biggest first, each with its seconds and share of the
@@ -222,10 +229,19 @@ def _series(rid: int) -> tuple[Any, ...]:
     summary = reports.run_page_summary(eng, rid) or {}
     series = dict(reports.run_series(eng, rid))
     series["mfu_estimated"] = summary.get("mfu_estimated")
-    d = summary.get("decomposition") or {}
     report = reports.bottleneck_report(eng, rid, summary) if summary else {"ranking": [], "findings": [], "source": "none"}
+    return (_kpis(summary), _bottleneck_panel(summary, report),
+            _mark_recompiles(F.decomposition_figure(series), reports.run_compile(eng, rid)),
+            F.throughput_figure(series), F.memory_figure(series),
+            F.modality_figure(reports.modality_series(eng, rid),
+                              series.get("packing")))
+
+
+@contained("run KPIs")
+def _kpis(summary: dict[str, Any]) -> list[Any]:
+    d = summary.get("decomposition") or {}
     ws = (summary.get("run") or {}).get("world_size") or 1
-    kpis = [
+    return [
         kpi("step p50", fmt_s(d.get("step_s")), f"p95 slowest rank {fmt_s(summary.get('step_s_p95'))}"),
         kpi("MFU", fmt_pct(summary.get("mfu")), "estimated" if summary.get("mfu_estimated") else (summary.get("flops_source") or ""),
             kid="run-mfu"),
@@ -242,18 +258,14 @@ def _series(rid: int) -> tuple[Any, ...]:
         kpi("peak memory", fmt_bytes(summary.get("mem_peak_bytes")), "max over ranks"),
         kpi("packing", fmt_pct(summary.get("packing_efficiency")), "real ÷ padded tokens"),
         kpi("records", f"{fmt_num(summary.get('rank_steps'))} rank-steps",
-            f"{summary.get('steps', 0):,} steps × {ws:,} ranks"),
+            f"{summary.get('steps') or 0:,} steps × {ws:,} ranks"),
     ]
-    return (kpis, _bottleneck_panel(summary, report),
-            _mark_recompiles(F.decomposition_figure(series), reports.run_compile(eng, rid)),
-            F.throughput_figure(series), F.memory_figure(series),
-            F.modality_figure(reports.modality_series(eng, rid),
-                              series.get("packing")))
 
 
 _MAX_MARKS = 200  # recompile markers drawn on the step-time chart
 
 
+@contained("recompile marks", fallback=lambda why, fig, comp: fig)
 def _mark_recompiles(fig: dict[str, Any], comp: dict[str, Any] | None) -> dict[str, Any]:
     """Steps that recompiled as vertical dotted lines on the step-time decomposition (the first
     ``_MAX_MARKS``), with a hoverable "recompile" legend entry."""
@@ -314,7 +326,11 @@ def _heatmap(rid: int, field: str, agg: str) -> Any:
 def _stragglers(rid: int) -> tuple[Any, Any]:
     eng = _state.engine()
     sd = reports.rank_slowdown(eng, rid)
-    rep = reports.straggler_view(eng, rid)
+    return F.slowdown_figure(sd), _straggler_table(reports.straggler_view(eng, rid), sd)
+
+
+@contained("straggler table")
+def _straggler_table(rep: dict[str, Any] | None, sd: dict[str, Any] | None) -> Any:
     if rep is not None:
         items = rep.get("stragglers") or []
         nodes = rep.get("nodes") or []
@@ -339,7 +355,7 @@ def _stragglers(rid: int) -> tuple[Any, Any]:
                                                 for v, r in top], className="fs-muted")
     else:
         table = None
-    return F.slowdown_figure(sd), table
+    return table
 
 
 @callback(Output(COLLECTIVES, "figure"), Output(COLLECTIVE_TABLE, "children"), Input(RUN, "data"))
@@ -347,8 +363,14 @@ def _collectives(rid: int) -> tuple[Any, Any]:
     eng = _state.engine()
     view = reports.collectives_view(eng, rid)
     rows = view["rows"]
+    return F.collectives_figure(rows), _collective_table(view)
+
+
+@contained("collectives table")
+def _collective_table(view: dict[str, Any]) -> Any:
+    rows = view["rows"]
     if not rows:
-        return F.collectives_figure(rows), empty_state(
+        return empty_state(
             "No collectives recorded", "torch.distributed collectives appear here once the agent is initialised in the job.")
     body = [[r["op"], r["group_size"], fmt_bytes(r["size_bucket_bytes"]), f"{r['calls']:,}", fmt_s(r["total_s"]),
              fmt_s(r.get("exposed_s")),
@@ -360,7 +382,7 @@ def _collectives(rid: int) -> tuple[Any, Any]:
     eff = view.get("efficiency_large_messages")
     foot = [f"Time-weighted efficiency of messages ≥ 1 MiB: {eff * 100:.0f} % of link peak." if eff is not None else None,
             view.get("note")]
-    return F.collectives_figure(rows), html.Div([table] + [html.Div(f, className="fs-footnote") for f in foot if f])
+    return html.Div([table] + [html.Div(f, className="fs-footnote") for f in foot if f])
 
 
 def _per_step(v: float) -> str:
@@ -376,6 +398,7 @@ def _sentence(text: str) -> str:
     return (text[:1].upper() + text[1:]).rstrip(".") + "."
 
 
+@contained("communication by dimension")
 def _comm_dims_panel(summary: dict[str, Any], series: dict[str, Any]) -> Any:
     """Communication per parallel dimension: exposed comm per step by dimension (chart), the per-step
     figures of each dimension (table) and the findings in words; nothing without collectives."""
@@ -404,6 +427,7 @@ def _comm_dims_panel(summary: dict[str, Any], series: dict[str, Any]) -> Any:
     ], sid=f"{COMM_DIMS}-section")
 
 
+@contained("pipeline panel")
 def _pipeline_panel(summary: dict[str, Any]) -> Any:
     """The pipeline: stages, schedule, micro-batches, bubble (send/recv wait) and the slowest stage,
     with busy time and bubble per stage; nothing for a job without pipeline stages."""
@@ -438,6 +462,7 @@ def _parallelism(rid: int) -> tuple[Any, Any]:
     return _comm_dims_panel(summary, series), _pipeline_panel(summary)
 
 
+@contained("gradient communication panel")
 def _overlap_panel(view: dict[str, Any] | None, summary: dict[str, Any]) -> Any:
     """Gradient communication against backward: one representative rank-step's collectives on its
     timeline (backward as a band, exposed parts highlighted) and the summary's bucketing / overlap
@@ -463,19 +488,24 @@ def _overlap_panel(view: dict[str, Any] | None, summary: dict[str, Any]) -> Any:
         html.Div("No bucketing or overlap suggestion: exposed communication is not a top bottleneck of this run, or "
                  "no change could remove 1 % of its step.", className="fs-muted", id=f"{OVERLAP}-advice"),
         html.Div(_sentence(view.get("note") or ""), className="fs-footnote"),
+        html.Div(f"Showing the {len(view['collectives']):,} longest of {view['collectives_total']:,} collectives of this "
+                 "rank-step; the figures above count all of them.",
+                 className="fs-footnote", id=f"{OVERLAP}-shown")
+        if view.get("collectives_total", 0) > len(view["collectives"]) else None,
     ], sid=f"{OVERLAP}-section")
 
 
 @callback(Output(OVERLAP, "children"), Input(RUN, "data"))
 def _overlap(rid: int) -> Any:
     eng = _state.engine()
-    return _overlap_panel(reports.run_overlap(eng, rid), reports.run_page_summary(eng, rid) or {})
+    return _overlap_panel(reports.run_overlap(eng, rid, limit=OVERLAP_BARS), reports.run_page_summary(eng, rid) or {})
 
 
 def _num_cell(v: Any, fmt: str = "{:.2f}") -> str:
     return fmt.format(v) if isinstance(v, (int, float)) else "–"
 
 
+@contained("profiler traces")
 def _traces_section(traces: Any) -> Any:
     """Exact figures from imported profiler traces (``fleetscope import-trace``): per rank, the cross-rank
     kernel-type totals (the ``rank = -1`` row) and the top kernels of the first rank."""
@@ -510,24 +540,35 @@ def _traces_section(traces: Any) -> Any:
 def _extras(rid: int) -> tuple[Any, Any]:
     eng = _state.engine()
     run = reports.get_run(eng, rid) or {}
-    parts = []
-    good = reports.goodput(eng, rid)
+    parts = [p for p in (_goodput_section(reports.goodput(eng, rid)), _events_section(reports.run_events(eng, rid)),
+                         _traces_section(reports.run_traces(eng, rid))) if p is not None]
+    return parts, _config_section(run)
+
+
+@contained("goodput")
+def _goodput_section(good: dict[str, Any] | None) -> Any:
     if good is not None and good.get("goodput") is not None:
         shares = good.get("badput_share") or {}
         tiles = [kpi("goodput", fmt_pct(good.get("goodput")), f"productive of {fmt_s(good.get('wall_s'))} wall"
                      + (" · estimated (no run events)" if good.get("estimated") else ""))]
         for k, v in (good.get("badput") or {}).items():
             tiles.append(kpi(str(k).removesuffix("_s").replace("_", " "), fmt_s(v), fmt_pct(shares.get(k)) + " of wall"))
-        parts.append(section("Goodput", kpi_strip(tiles, kid="run-goodput")))
-    events = reports.run_events(eng, rid)
+        return section("Goodput", kpi_strip(tiles, kid="run-goodput"))
+    return None
+
+
+@contained("events")
+def _events_section(events: list[dict[str, Any]] | None) -> Any:
     if events:
         rows = [[fmt_time(e["ts"]), e["kind"], e["rank"], e["step"] if e["step"] is not None else "–",
                  json.dumps(e["data"], default=str)[:120]] for e in events[:100]]
-        parts.append(section(f"Events ({len(events)})", html.Div(
-            simple_table(["time (UTC)", "kind", "rank", "step", "data"], rows, numeric=(2, 3)), className="fs-scroll")))
-    tr = _traces_section(reports.run_traces(eng, rid))
-    if tr is not None:
-        parts.append(tr)
+        return section(f"Events ({len(events)})", html.Div(
+            simple_table(["time (UTC)", "kind", "rank", "step", "data"], rows, numeric=(2, 3)), className="fs-scroll"))
+    return None
+
+
+@contained("config")
+def _config_section(run: dict[str, Any]) -> Any:
     cfg = run.get("config") or {}
     meta = run.get("meta") or {}
     info = [["name", run.get("name")], ["id", run.get("id")], ["family", run.get("model_family") or "–"],
@@ -544,7 +585,7 @@ def _extras(rid: int) -> tuple[Any, Any]:
                  empty_state("No config", "Pass config={...} to fs.init to see (and compare) it here."), className="fs-col-4"),
         html.Div(simple_table(["meta", "value"], meta_rows) if meta_rows else None, className="fs-col-4"),
     ], className="fs-row")
-    return parts, config
+    return config
 
 
 def _spread(sp: dict[str, Any] | None) -> str:

@@ -7,12 +7,22 @@ from __future__ import annotations
 from typing import Any
 
 import dash
-from dash import Input, Output, callback, clientside_callback, dcc, html
+from dash import Input, Output, clientside_callback, dcc, html
 from fleetscope.server import reports
 
 from .. import _state
 from .. import figures as F
-from ..components import URL_SYNC_JS, empty_state, graph, loading, page_header, section, simple_table
+from ..components import (
+    URL_SYNC_JS,
+    callback,
+    contained,
+    empty_state,
+    graph,
+    loading,
+    page_header,
+    section,
+    simple_table,
+)
 from ..theme import fmt_num, fmt_pct, fmt_s
 
 dash.register_page(__name__, path="/scaling", name="Scaling", title="fleetscope · scaling", order=2)
@@ -66,6 +76,12 @@ def _fill(family: str) -> tuple[Any, ...]:
     width = 12 // max(1, min(len(cfgs), 2))
     decs = [section(None, graph(f"{DECOMP}-{i}", F.scaling_decomposition_figure(g)), cls=f"fs-col-{width}")
             for i, g in enumerate(cfgs)]
+    return (F.scaling_throughput_figure(data), F.scaling_efficiency_figure(data), decs, F.scaling_comm_dims_figure(data),
+            _points_table(cfgs))
+
+
+@contained("scaling points")
+def _points_table(cfgs: list[dict[str, Any]]) -> Any:
     rows = []
     for g in cfgs:
         for p in g["points"]:
@@ -76,8 +92,7 @@ def _fill(family: str) -> tuple[Any, ...]:
                                    className="fs-links")])
     table = simple_table(["configuration", "GPUs", "runs", "tokens/s", "tokens/s/GPU", "step", "MFU", "efficiency", "mode",
                           "runs"], rows, numeric=(1, 2, 3, 4, 5, 6, 7), tid="scaling-points")
-    return (F.scaling_throughput_figure(data), F.scaling_efficiency_figure(data), decs, F.scaling_comm_dims_figure(data),
-            table)
+    return table
 
 
 clientside_callback(f"function(f) {{ return ({URL_SYNC_JS})([['family', f]]); }}", Output(URL, "data"), Input(FAMILY, "value"))

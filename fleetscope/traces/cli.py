@@ -93,13 +93,12 @@ def _attach(result: dict[str, Any], *, server: str, token: str | None, run: str,
     world = max([s.get("world_size") or 0 for s in result["ranks"].values()] + [len(result["ranks"]), 1])
     try:
         with Client(server, token) as c:
+            # registering is idempotent within the token's namespace (its team, else the token): it
+            # joins the job's run when the job used a token of the same owner, else makes one of its
+            # own — never another owner's run, which would answer 403
             found = [r for r in c.runs(name=run) if r.get("name") == run]
-            if found:
-                run_id = int(found[0]["id"])
-            else:
-                run_id = c.register_run(
-                    {"name": run, "world_size": world, "meta": {"created_by": "import-trace"}}
-                )
+            meta = {} if found else {"created_by": "import-trace"}
+            run_id = c.register_run({"name": run, "world_size": world, "meta": meta})
             body = {**result, "source": source[:512]}
             out = c._check(c.http.post(f"/api/v1/runs/{run_id}/traces", json=body))
     except ApiError as e:

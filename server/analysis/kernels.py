@@ -20,9 +20,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import astuple, dataclass, field
 from typing import Any
 
-import numpy as np
-
 from fleetscope.traces.classify import COMMUNICATION, MEMORY, kernel_type_corrected
+
+from ..limits import MAX_KERNELS_PER_TRACE
 
 __all__ = [
     "CATEGORIES",
@@ -39,6 +39,7 @@ __all__ = [
     "fold_rows",
     "top_names",
     "kernel_report",
+    "bound_top_kernels",
 ]
 
 #: kernel categories, in the order reports list ties
@@ -259,13 +260,45 @@ def fold_rows(stored: tuple[Mapping[int, tuple[int, int, float, int, int]],
             {r: {n: astuple(acc) for n, acc in st.kernels[r].items()} for r in touched}, st.names)
 
 
+_HTA_TYPES = ("COMPUTATION", "COMMUNICATION", "MEMORY")
+
+
+def bound_top_kernels(rows: Any, cap: int = MAX_KERNELS_PER_TRACE) -> tuple[Any, int]:
+    """A trace summary's ``top_kernels`` with at most ``cap`` named kernels: beyond it, the named rows
+    with the most ``sum_us`` are kept (ties: the earlier row) and the rest are summed — with the rows
+    HTA already folded — into one ``others`` row per kernel type (``COMPUTATION``, ``COMMUNICATION``,
+    ``MEMORY``, anything else ``OTHER``: ``{"kernel_type", "name": "others", "count", "kernels",
+    "sum_us"}``, HTA's own shape), so ``sum_us`` and ``count`` totals are preserved; entries that are not
+    objects are dropped. Returns (the rows, named rows folded); a list within the cap comes back as is."""
+    if not isinstance(rows, list) or len(rows) <= cap:
+        return rows, 0
+
+    def num(v: Any) -> float:
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else 0.0
+
+    dicts = [r for r in rows if isinstance(r, Mapping)]
+    named = [i for i, r in enumerate(dicts) if r.get("name") != "others"]
+    keep = set(sorted(named, key=lambda i: -num(dicts[i].get("sum_us")))[:cap])
+    others: dict[str, dict[str, Any]] = {}
+    n_folded = len(rows) - len(dicts)
+    for i, r in enumerate(dicts):
+        if i in keep:
+            continue
+        t = r.get("kernel_type")
+        t = t if t in _HTA_TYPES else "OTHER"
+        o = others.setdefault(t, {"kernel_type": t, "name": "others", "count": 0, "kernels": 0, "sum_us": 0.0})
+        is_others = r.get("name") == "others"
+        n_folded += not is_others
+        o["count"] += int(num(r.get("count")))
+        o["kernels"] += int(num(r.get("kernels"))) if is_others else 1
+        o["sum_us"] += num(r.get("sum_us"))
+    return [dict(r) for i, r in enumerate(dicts) if i in keep] + [others[t] for t in (*_HTA_TYPES, "OTHER")
+                                                                    if t in others], n_folded
+
+
 def top_names(totals: Sequence[tuple[str, str, float, int]], top: int) -> list[str]:
     """The ``top`` kernel names by time over the run (ties by name) from (name, category, µs, launches)."""
     return [t[0] for t in sorted(totals, key=lambda t: (-t[2], t[0]))[:top]]
-
-
-def _median(x: np.ndarray) -> float:
-    return float(np.median(x)) if len(x) else 0.0
 
 
 #: a finding needs this share of kernel time; a trend this ratio; a rank this spread (max / median)
@@ -274,66 +307,59 @@ TREND_RATIO = 1.2
 SPREAD_RATIO = 1.2
 
 
-def kernel_report(ranks: Mapping[int, tuple[int, int, float, int, int]],
-                  totals: Sequence[tuple[str, str, float, int]],
-                  per_rank: Sequence[tuple[str, int, float, float, float]], top: int) -> dict[str, Any]:
-    """The kernel report from the folded rows: ``ranks`` {rank: (windows, steps, kernel µs, first step,
-    last step)}, ``totals`` (name, category, µs, launches) summed over ranks, ``per_rank`` (name, rank,
-    µs, first µs/step, last µs/step) of the names to show.
+#: a run's folded ranks in one row (``store.kernels.rank_summary``): ranks with windows, windows, profiled
+#: rank-steps, first and last window step (None without ranks), ranks with ≥ 2 windows
+RankSummary = tuple[int, int, int, int | None, int | None, int]
+#: one kernel over the ranks with windows (``store.kernels.kernel_spread``): min, median and max of the
+#: rank's µs per profiled step (0 where the kernel did not appear), the lowest rank with the max, and over
+#: the ranks with ≥ 2 windows the median µs per step in their first window and in their last (None: no such rank)
+KernelSpread = tuple[float, float, float, int, float | None, float | None]
+
+
+def kernel_report(ranks: RankSummary, totals: Sequence[tuple[str, str, float, int]],
+                  spread: Mapping[str, KernelSpread], top: int) -> dict[str, Any]:
+    """The kernel report from the folded rows, aggregated over ranks in the store (so its cost does not
+    grow with the ranks): ``ranks`` the rank summary, ``totals`` (name, category, µs, launches) summed
+    over ranks, ``spread`` the per-rank figures of the names to show.
 
     Per kernel: ``time_us`` summed over ranks and windows; ``share`` of all kernel time; ``us_per_step``
     the mean per profiled rank-step; ``rank_spread`` min / median / max over the ranks with windows of
     the rank's µs per profiled step (0 where the kernel did not appear); ``trend`` over the ranks with
     ≥ 2 windows: median of the µs per step in their first window and in their last, and last / first."""
-    rank_ids = np.array(sorted(ranks), dtype=np.int64)
-    steps = np.array([ranks[int(r)][1] for r in rank_ids], dtype=np.float64)
+    n_ranks, n_windows, profiled, first_step, last_step, n_multi = ranks
     total_us = float(sum(t[2] for t in totals))
-    total_steps = float(steps.sum())
-    multi = np.array([ranks[int(r)][0] >= 2 for r in rank_ids], dtype=bool)
-    pos = {int(r): i for i, r in enumerate(rank_ids)}
-    by_name: dict[str, list[tuple[int, float, float, float]]] = {}
-    for name, rank, us, f_us, l_us in per_rank:
-        if rank in pos:
-            by_name.setdefault(name, []).append((pos[rank], us, f_us, l_us))
+    total_steps = float(profiled)
     cats: dict[str, float] = {}
     for _, cat, us, _ in totals:
         cats[cat] = cats.get(cat, 0.0) + us
     kernels = []
     findings: list[str] = []
     for name, cat, us, launches in sorted(totals, key=lambda t: (-t[2], t[0]))[:top]:
-        per_step = np.zeros(len(rank_ids))
-        first = np.zeros(len(rank_ids))
-        last = np.zeros(len(rank_ids))
-        for i, r_us, f_us, l_us in by_name.get(name, []):
-            per_step[i] = r_us / steps[i] if steps[i] > 0 else 0.0
-            first[i], last[i] = f_us, l_us
         share = us / total_us if total_us > 0 else None
-        spread = None
-        if len(rank_ids):
-            med = _median(per_step)
-            hi = int(np.argmax(per_step))
-            spread = {"min_us": float(per_step.min()), "median_us": med, "max_us": float(per_step[hi]),
-                      "max_rank": int(rank_ids[hi]), "ratio": float(per_step[hi]) / med if med > 0 else None}
-        trend = None
-        if multi.any():
-            f, la = _median(first[multi]), _median(last[multi])
-            trend = {"first_us": f, "last_us": la, "ratio": la / f if f > 0 else None, "ranks": int(multi.sum())}
+        sp = spread.get(name)
+        rank_spread = trend = None
+        if n_ranks and sp is not None:
+            lo, med, hi, hi_rank, f, la = sp
+            rank_spread = {"min_us": lo, "median_us": med, "max_us": hi, "max_rank": hi_rank,
+                           "ratio": hi / med if med > 0 else None}
+            if n_multi and f is not None and la is not None:
+                trend = {"first_us": f, "last_us": la, "ratio": la / f if f > 0 else None, "ranks": n_multi}
         kernels.append({"name": name, "category": cat, "time_us": us, "share": share, "launches": int(launches),
                         "us_per_step": us / total_steps if total_steps > 0 else None,
-                        "rank_spread": spread, "trend": trend})
+                        "rank_spread": rank_spread, "trend": trend})
         if share is not None and share >= FINDING_SHARE and not name.startswith("("):
             if trend and trend["ratio"] is not None and trend["ratio"] >= TREND_RATIO:
                 findings.append(f"{name[:80]} ({cat}, {share * 100:.0f} % of kernel time) takes {trend['ratio']:.2f}× "
                                 f"longer per step in the last profiled window than in the first")
-            if spread and spread["ratio"] is not None and spread["ratio"] >= SPREAD_RATIO:
-                findings.append(f"rank {spread['max_rank']} spends {spread['ratio']:.2f}× the median rank's time in "
-                                f"{name[:80]} ({cat}, {share * 100:.0f} % of kernel time)")
+            if rank_spread and rank_spread["ratio"] is not None and rank_spread["ratio"] >= SPREAD_RATIO:
+                findings.append(f"rank {rank_spread['max_rank']} spends {rank_spread['ratio']:.2f}× the median rank's "
+                                f"time in {name[:80]} ({cat}, {share * 100:.0f} % of kernel time)")
     return {
-        "ranks": len(rank_ids),
-        "windows": int(sum(v[0] for v in ranks.values())),
+        "ranks": n_ranks,
+        "windows": n_windows,
         "profiled_rank_steps": int(total_steps),
-        "first_step": min((v[3] for v in ranks.values()), default=None),
-        "last_step": max((v[4] for v in ranks.values()), default=None),
+        "first_step": first_step,
+        "last_step": last_step,
         "kernel_us": total_us,
         "names": len(totals),
         "max_names": MAX_NAMES,

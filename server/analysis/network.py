@@ -241,12 +241,14 @@ def _thresholds() -> dict[str, Any]:
 
 def empty_network(source: str | None = None) -> dict[str, Any]:
     """The summary's ``network`` of a run without comparable collectives."""
-    return {"slow_ranks": [], "slow_nodes": [], "slow_ranks_total": 0, "ranks_measured": 0, "nodes_measured": 0,
-            "steps_sampled": 0, "classes": 0, "busbw_ratio_min": None, "source": source, "thresholds": _thresholds()}
+    return {"slow_ranks": [], "slow_nodes": [], "slow_ranks_total": 0, "slow_nodes_total": 0, "ranks_measured": 0,
+            "nodes_measured": 0, "steps_sampled": 0, "classes": 0, "busbw_ratio_min": None, "source": source,
+            "thresholds": _thresholds()}
 
 
 def summary_network(h: NetworkHealth, *, source: str | None = None, limit: int = SUMMARY_LIMIT) -> dict[str, Any]:
-    """The run summary's ``network``: slow ranks (worst first, at most ``limit``) and slow nodes."""
+    """The run summary's ``network``: slow ranks and slow nodes, worst first, at most ``limit`` of each
+    (``slow_ranks_total`` / ``slow_nodes_total`` count them all)."""
     if not len(h.ranks):
         return {**empty_network(source), "steps_sampled": h.steps_sampled}
     nodes = h.nodes()
@@ -276,7 +278,8 @@ def summary_network(h: NetworkHealth, *, source: str | None = None, limit: int =
     slow_nodes.sort(key=lambda x: (severity(x), x["node"]))
     finite = h.busbw_ratio[np.isfinite(h.busbw_ratio)]
     bmin = float(finite.min()) if len(finite) else None
-    return {"slow_ranks": items[:limit], "slow_nodes": slow_nodes, "slow_ranks_total": len(items),
+    return {"slow_ranks": items[:limit], "slow_nodes": slow_nodes[:limit], "slow_ranks_total": len(items),
+            "slow_nodes_total": len(slow_nodes),
             "ranks_measured": len(h.ranks), "nodes_measured": len(nodes), "steps_sampled": h.steps_sampled,
             "classes": h.classes, "busbw_ratio_min": _r(bmin), "source": source, "thresholds": _thresholds()}
 

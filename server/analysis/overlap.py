@@ -36,6 +36,7 @@ from fleetscope.wire import COLLECTIVE_OPS, busbw_factor
 __all__ = [
     "RankStep", "Collective", "Timeline", "LIMITS", "GRAD_OPS", "median_rank", "representative_step",
     "rank_step", "rank_collectives", "timeline", "comm_is_top", "latency_fit", "overlap_advice",
+    "bounded_collectives",
 ]  # fmt: skip
 
 #: thresholds of the advice (documented in docs/metrics.md)
@@ -120,16 +121,51 @@ class Timeline:
     backward_end_measured: bool = False
     mem_peak_bytes: float | None = None
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, limit: int | None = None) -> dict[str, Any]:
+        """The timeline as the API shows it; with ``limit``, at most that many collectives are listed
+        (:func:`bounded_collectives`), the rest summed in ``collectives_folded``."""
+        shown, folded = bounded_collectives(self.collectives, limit)
         return {
             "step": self.step, "rank": self.rank, "step_s": self.step_s, "comm_exposed_s": self.comm_exposed_s,
             "backward": None if self.backward is None else {
                 "start_s": self.backward[0], "end_s": self.backward[1],
                 "start": "estimated", "end": "last gradient reduction issued" if self.backward_end_measured else "estimated"},
-            "collectives": [c.as_dict() for c in self.collectives],
+            "collectives": [c.as_dict() for c in shown],
+            "collectives_total": len(self.collectives), "collectives_folded": folded,
             "tail_s": self.tail_s, "overlap_ratio": self.overlap_ratio,
             "backward_overlap_ratio": self.backward_overlap_ratio,
         }  # fmt: skip
+
+
+def bounded_collectives(placed: Sequence[Placed], limit: int | None) -> tuple[list[Placed], list[dict[str, Any]]]:
+    """(the collectives to list, the rest summed): with more than ``limit``, the ``limit`` longest
+    (issue to completion; ties: the earlier record) in record order, and the others summed per (op,
+    phase, gradient) into ``{"op", "phase", "gradient", "records", "calls", "bytes", "start_s" (the
+    earliest issue), "end_s" (the latest completion), "total_s", "exposed_s"}`` rows, most time first —
+    at most ``len(COLLECTIVE_OPS)`` × 5 phases × 2 = 120 rows, whatever the step holds."""
+    if limit is None or len(placed) <= limit:
+        return list(placed), []
+    dur = np.array([c.end_s - c.start_s for c in placed], dtype=np.float64)
+    keep = np.zeros(len(placed), dtype=bool)
+    keep[np.argsort(-dur, kind="stable")[:max(int(limit), 0)]] = True
+    groups: dict[tuple[str, str, bool], dict[str, Any]] = {}
+    for c, k in zip(placed, keep.tolist(), strict=True):
+        if k:
+            continue
+        g = groups.get((c.op, c.phase, c.gradient))
+        if g is None:
+            g = groups[(c.op, c.phase, c.gradient)] = {
+                "op": c.op, "phase": c.phase, "gradient": c.gradient, "records": 0, "calls": 0, "bytes": 0.0,
+                "start_s": c.start_s, "end_s": c.end_s, "total_s": 0.0, "exposed_s": 0.0}
+        g["records"] += 1
+        g["calls"] += c.calls
+        g["bytes"] += c.bytes
+        g["start_s"] = min(g["start_s"], c.start_s)
+        g["end_s"] = max(g["end_s"], c.end_s)
+        g["total_s"] += c.end_s - c.start_s
+        g["exposed_s"] += c.exposed_s
+    return ([c for c, k in zip(placed, keep.tolist(), strict=True) if k],
+            sorted(groups.values(), key=lambda g: (-g["total_s"], g["op"], g["phase"], g["gradient"])))
 
 
 def _num(v: Any) -> float:
@@ -189,12 +225,15 @@ def _dim_label(code: int, group_size: int, names: Mapping[int, str], world_size:
 
 
 def rank_collectives(cb: Mapping[str, np.ndarray] | None, rank: int, dim_names: Mapping[int, str],
-                     world_size: int | None) -> list[Collective]:
-    """The collectives of ``rank`` in a decoded collective block, in record order (``seq``)."""
+                     world_size: int | None, limit: int | None = None) -> list[Collective]:
+    """The collectives of ``rank`` in a decoded collective block, in record order (``seq``); with
+    ``limit``, the first ``limit`` records only (what the compactor keeps of a rank-step)."""
     if cb is None or not len(cb["rank"]):
         return []
     idx = np.flatnonzero(np.asarray(cb["rank"]) == rank)
     idx = idx[np.argsort(np.asarray(cb["seq"])[idx], kind="stable")]
+    if limit is not None:
+        idx = idx[:max(int(limit), 0)]
     out = []
     for i in idx.tolist():
         code = int(cb["op"][i])

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..store.rows import P2P, StepCommRow
 
-__all__ = ["P2P", "dim_label", "comm_by_dim", "pipeline_summary", "stage_figures", "group_spans",
+__all__ = ["P2P", "dim_label", "comm_by_dim", "pipeline_summary", "stage_figures", "group_spans", "node_index",
            "dim_findings", "comm_dim_series", "seq_len_histogram"]
 
 UNKNOWN = "unknown"
@@ -123,23 +123,28 @@ def pipeline_summary(stage_events: Sequence[tuple[int, dict[str, Any]]], rows: S
             "per_stage": [{"stage": st, **v} for st, v in per_stage.items()]}
 
 
-def group_spans(groups: Sequence[tuple[int, dict[str, Any]]], hosts: dict[int, tuple[str | None, str | None]]) -> dict[str, int]:
-    """{dim: the most nodes one of its groups spans} from ``comm_group`` events (rank, data with the
-    group's global ranks) and the ranks' (host, node)."""
+def node_index(hosts: dict[int, tuple[str | None, str | None]]) -> np.ndarray:
+    """``node_of[rank]``: an index per distinct node (its node name, else its host; -1 unknown) of every
+    rank up to the highest one in ``hosts``."""
+    node_of = np.full(max(hosts, default=-1) + 1, -1, dtype=np.int64)
+    ids: dict[str, int] = {}
+    for r, (host, node) in hosts.items():
+        name = node or host
+        if name is not None and r >= 0:
+            node_of[r] = ids.setdefault(name, len(ids))
+    return node_of
+
+
+def group_spans(groups: Iterable[tuple[str, np.ndarray]], node_of: np.ndarray) -> dict[str, int]:
+    """{dim: the most nodes one of its groups spans} from (dimension, the group's global ranks) — the
+    run's stored groups (``run_groups``) — and ``node_of`` (``node_index``)."""
     out: dict[str, int] = {}
-    for _rank, d in groups:
-        dim = d.get("dim")
-        ranks = d.get("ranks")
-        if not isinstance(dim, str) or not isinstance(ranks, list):
-            continue
-        nodes = set()
-        for r in ranks:
-            if isinstance(r, int) and r in hosts:
-                host, node = hosts[r]
-                nodes.add(node or host)
-        nodes.discard(None)
-        if nodes:
-            out[dim] = max(out.get(dim, 0), len(nodes))
+    for dim, ranks in groups:
+        r = ranks[(ranks >= 0) & (ranks < len(node_of))]
+        ids = node_of[r]
+        ids = ids[ids >= 0]
+        if ids.size:
+            out[dim] = max(out.get(dim, 0), int(np.unique(ids).size))
     return out
 
 

@@ -116,6 +116,8 @@ def _contribution(S: dict[str, np.ndarray], gid: np.ndarray, n_groups: int, sel:
     st = work_ratio_stats(s, g, n_groups)
     ratio = st["ratio"]
     ok = np.isfinite(ratio) & (ratio > 0)
+    if not ok.any():  # no rank with measurable work (0-duration steps): nothing to fold
+        return {}, {}
     run, rank, step = s["run_id"][ok], s["rank"][ok], s["step"][ok]
     r = ratio[ok]
     gg = g[ok]

@@ -20,6 +20,7 @@ are also kept in ``run_stats``. ``clear_caches()`` forgets the in-process part.
 from __future__ import annotations
 
 from ._cache import clear as clear_caches
+from ._cache import forget_run
 from .fleet import compare_runs, compare_view, families, fleet_rows, run_options, scaling, scaling_view
 from .kernels import run_kernels
 from .nodes import node_detail, node_list
@@ -68,7 +69,7 @@ from .runs import (
 )
 
 __all__ = [
-    "clear_caches",
+    "clear_caches", "forget_run",
     # runs
     "get_run", "list_runs", "figures", "with_figures", "run_summary", "bottlenecks", "stragglers",
     "collective_efficiency", "run_collectives", "goodput", "run_events", "run_traces", "database_ok",

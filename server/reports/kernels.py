@@ -19,5 +19,5 @@ def run_kernels(engine: Engine, run_id: int, *, top: int = 20) -> dict[str, Any]
     folded = store.fold_new_windows(engine, run_id, fold_rows)
     totals = store.kernel_totals(engine, run_id)
     names = top_names(totals, top)
-    report = kernel_report(store.rank_rows(engine, run_id), totals, store.kernel_rows(engine, run_id, names), top)
+    report = kernel_report(store.rank_summary(engine, run_id), totals, store.kernel_spread(engine, run_id, names), top)
     return {"run_id": run_id, **report, "folded_now": folded}

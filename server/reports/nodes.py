@@ -11,11 +11,12 @@ or finished since) are brought up to date first, at most ``REFRESH_RUNS`` per ca
 
 from __future__ import annotations
 
-import statistics
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Engine
 
+from ..limits import MAX_PAGE_ROWS
 from ..store import nodes as node_store
 from ..store import runs as run_store
 from .network import run_network
@@ -40,26 +41,22 @@ def refresh_node_health(engine: Engine, limit: int = REFRESH_RUNS) -> tuple[int,
     return done, max(n_stale - len(ids), 0)
 
 
-def _microbench(engine: Engine) -> dict[str, dict[str, Any]]:
-    """{node: {bench name without "node_": latest figure}}; each figure is compared with the median of
-    the same benchmark (name, cluster, params but the node) over the nodes that ran it."""
-    rows = node_store.node_microbench(engine)
+def _microbench(engine: Engine, nodes: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """{node: {bench name without "node_": latest figure}} of these nodes; each figure is compared with
+    the median of the same benchmark (name, cluster, params but the node) over the nodes that ran it
+    (computed in the database: the peers are never loaded)."""
+    if not nodes:
+        return {}
+    rows = node_store.node_microbench(engine, nodes=nodes)
+    peers = node_store.microbench_peers(engine)
     latest: dict[tuple[str, str], list[tuple[Any, ...]]] = {}
-    for node, name, cluster, params, unit, ts, value in rows:
-        latest.setdefault((node, name), []).append((ts, value, cluster, params, unit))
-    peers: dict[tuple[str, str, str], list[float]] = {}
+    for node, name, cluster, params, unit, ts, value, key in rows:
+        latest.setdefault((node, name), []).append((ts, value, cluster, params, unit, key))
 
-    def peer_key(name: str, cluster: str, params: dict[str, Any]) -> tuple[str, str, str]:
-        return name, cluster, repr(sorted((k, str(v)) for k, v in params.items() if k != "node"))
-
-    for _node, name, cluster, params, _unit, _ts, value in rows:
-        peers.setdefault(peer_key(name, cluster, params), []).append(value)
-
-    def vs_median(name: str, cluster: str, params: dict[str, Any], value: float) -> float | None:
-        vals = peers.get(peer_key(name, cluster, params), [])
-        if len(vals) < _VS_MEDIAN_MIN_NODES:
+    def vs_median(name: str, cluster: str, key: str, value: float) -> float | None:
+        med, n = peers.get((name, cluster, key), (0.0, 0))
+        if n < _VS_MEDIAN_MIN_NODES:
             return None
-        med = statistics.median(vals)
         return round(value / med, 4) if med > 0 else None
 
     out: dict[str, dict[str, Any]] = {}
@@ -74,12 +71,12 @@ def _microbench(engine: Engine) -> dict[str, dict[str, Any]]:
                     by_size[sz] = p
             top = by_size[max(by_size)]
             fig = {"value": top[1], "unit": top[4], "ts": max(p[0] for p in by_size.values()).isoformat(),
-                   "params": top[3], "vs_median": vs_median(name, top[2], top[3], top[1]),
+                   "params": top[3], "vs_median": vs_median(name, top[2], top[5], top[1]),
                    "by_size": {str(sz): p[1] for sz, p in sorted(by_size.items())}}
         else:
             top = max(pts, key=lambda p: (p[0], p[3].get("device") == "cuda"))  # latest; the GPU's on a GPU node
             fig = {"value": top[1], "unit": top[4], "ts": top[0].isoformat(), "params": top[3],
-                   "vs_median": vs_median(name, top[2], top[3], top[1])}
+                   "vs_median": vs_median(name, top[2], top[5], top[1])}
         out.setdefault(node, {})[short] = fig
     return out
 
@@ -101,21 +98,20 @@ def _row(h: node_store.NodeHistoryRow | None, node: str, micro: dict[str, Any]) 
     }
 
 
-def _rank_key(r: dict[str, Any]) -> tuple[Any, ...]:
-    """Most runs slowed first; then the larger share of its runs, the lower busbw ratio, the name."""
-    b = r["busbw_ratio_median"]
-    return (-r["slowed_runs"], -(r["slowed_share"] or 0.0), b if b is not None else float("inf"), r["node"])
-
-
-def node_list(engine: Engine, *, limit: int = 500, refresh: int = REFRESH_RUNS) -> dict[str, Any]:
-    """``{"nodes": [...], "refreshed_runs", "pending_runs"}``: every node seen in a run or a per-node
-    microbenchmark, ranked by how often it slowed a job (``_rank_key``)."""
+def node_list(engine: Engine, *, limit: int = 500, offset: int = 0, refresh: int = REFRESH_RUNS) -> dict[str, Any]:
+    """``{"nodes": [...], "total", "slowed_total", "slow_network_total", "limit", "offset", "refreshed_runs",
+    "pending_runs"}``: one page (at most
+    ``MAX_PAGE_ROWS`` rows, ``limit`` is clamped to it) of every node seen in a run or a per-node
+    microbenchmark, worst first — most runs slowed, then the larger share of its runs, the lower busbw
+    ratio, the name — ordered and paged in the database (``store.nodes.node_page``); ``total`` counts them all."""
+    limit = max(1, min(int(limit), MAX_PAGE_ROWS))
+    offset = max(0, int(offset))
     done, pending = refresh_node_health(engine, refresh) if refresh > 0 else (0, 0)
-    hist = {h.node: h for h in node_store.node_history(engine)}
-    micro = _microbench(engine)
-    rows = [_row(hist.get(n), n, micro.get(n, {})) for n in sorted(set(hist) | set(micro))]
-    rows.sort(key=_rank_key)
-    return {"nodes": rows[:limit], "total": len(rows), "refreshed_runs": done, "pending_runs": pending}
+    page, (total, slowed, slow_network) = node_store.node_page(engine, limit=limit, offset=offset)
+    micro = _microbench(engine, [h.node for h in page])
+    return {"nodes": [_row(h, h.node, micro.get(h.node, {})) for h in page], "total": total,
+            "slowed_total": slowed, "slow_network_total": slow_network, "limit": limit, "offset": offset,
+            "refreshed_runs": done, "pending_runs": pending}
 
 
 def node_detail(engine: Engine, node: str, *, runs: int = 50) -> dict[str, Any] | None:
@@ -123,7 +119,7 @@ def node_detail(engine: Engine, node: str, *, runs: int = 50) -> dict[str, Any] 
     the node was never seen."""
     refresh_node_health(engine)
     hist = node_store.node_history(engine, node=node)
-    micro = _microbench(engine).get(node, {})
+    micro = _microbench(engine, [node]).get(node, {})
     if not hist and not micro:
         return None
     return {**_row(hist[0] if hist else None, node, micro), "run_history": node_store.node_runs(engine, node, runs)}

@@ -11,6 +11,7 @@ from sqlalchemy import Engine
 
 from ..analysis import overlap as ov
 from ..analysis.figures import RunFigures
+from ..limits import MAX_COLLECTIVES_PER_RANK_STEP, MAX_PAGE_ROWS
 from ..store import overlap as store
 from ..store import runs as run_store
 from ..store import steps
@@ -29,14 +30,19 @@ NOTE = ("times in seconds from the step's start (the rank-step's ts); issue, dur
 
 def _empty(run_id: int, step: int | None, why: str) -> dict[str, Any]:
     return {"run_id": run_id, "step": step, "rank": None, "step_s": None, "comm_exposed_s": None, "backward": None,
-            "collectives": [], "tail_s": None, "overlap_ratio": None, "backward_overlap_ratio": None, "note": why}
+            "collectives": [], "collectives_total": 0, "collectives_folded": [], "tail_s": None, "overlap_ratio": None,
+            "backward_overlap_ratio": None, "note": why}
 
 
-def run_overlap(engine: Engine, run_id: int, *, step: int | None = None, rank: int | None = None) -> dict[str, Any] | None:
+def run_overlap(engine: Engine, run_id: int, *, step: int | None = None, rank: int | None = None,
+                limit: int = MAX_PAGE_ROWS) -> dict[str, Any] | None:
     """The timeline of one rank-step (``analysis.overlap.timeline``): ``step`` (default: of the last
     ``OVERLAP_STEPS`` steps, the one whose median step time is the median), ``rank`` (default: the rank
     with that step's median step time). None for no such run; ``rank: None`` when the step or rank has
-    no records."""
+    no records. Bounded whatever is stored: the rank-step's first ``MAX_COLLECTIVES_PER_RANK_STEP``
+    records are placed (every figure is over them), at most ``limit`` (≤ ``MAX_PAGE_ROWS``) are listed and
+    the rest summed (``analysis.overlap.bounded_collectives``)."""
+    limit = max(1, min(int(limit), MAX_PAGE_ROWS))
     run = run_store.get_run(engine, run_id, pending=False)
     if run is None:
         return None
@@ -54,8 +60,9 @@ def run_overlap(engine: Engine, run_id: int, *, step: int | None = None, rank: i
     rs = ov.rank_step(step, sb, rank) if rank is not None else None
     if rs is None:
         return _empty(run_id, step, f"rank {rank} has no record at step {step}")
-    tl = ov.timeline(rs, ov.rank_collectives(cb, rs.rank, store.dim_names(engine, run_id), run.world_size))
-    return {"run_id": run_id, **tl.as_dict(), "note": NOTE}
+    tl = ov.timeline(rs, ov.rank_collectives(cb, rs.rank, store.dim_names(engine, run_id), run.world_size,
+                                             MAX_COLLECTIVES_PER_RANK_STEP))
+    return {"run_id": run_id, **tl.as_dict(limit), "note": NOTE}
 
 
 def run_overlap_advice(engine: Engine, run: RunRow, fig: RunFigures,
@@ -74,7 +81,8 @@ def run_overlap_advice(engine: Engine, run: RunRow, fig: RunFigures,
             rank = ov.median_rank(sb)
             rs = ov.rank_step(step, sb, rank) if rank is not None else None
             if rs is not None and cb is not None:
-                tls.append(ov.timeline(rs, ov.rank_collectives(cb, rs.rank, names, run.world_size)))
+                tls.append(ov.timeline(rs, ov.rank_collectives(cb, rs.rank, names, run.world_size,
+                                                               MAX_COLLECTIVES_PER_RANK_STEP)))
         return ov.overlap_advice(tls, bottlenecks=bottlenecks, comm_exposed_s=exposed, step_s=fig.step_s,
                                  mem_peak_bytes=fig.mem_peak_bytes)
 

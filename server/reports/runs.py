@@ -3,9 +3,10 @@ collectives, goodput, events and traces — each loaded from the store and compu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 from sqlalchemy import Engine
 
 from fleetscope.wire import COLLECTIVE_OPS
@@ -16,6 +17,7 @@ from ..analysis.collectives import collective_efficiency as _efficiency
 from ..analysis.collectives import collective_rows
 from ..analysis.compile import compile_health
 from ..analysis.figures import RunFigures, run_figures
+from ..analysis.goodput import CHECKPOINT_KINDS, EVAL_KINDS, RESTART_KINDS
 from ..analysis.goodput import goodput as _goodput
 from ..analysis.rollups import THRESHOLD
 from ..analysis.stragglers import (
@@ -27,7 +29,10 @@ from ..analysis.stragglers import (
     straggler_report,
     summary_stragglers,
 )
-from ..store import aggregates, collectives, events, ranks, steps, traces
+from ..groups import decode_ranks
+from ..groups import members as group_members
+from ..limits import MAX_GROUP_RANKS_LISTED
+from ..store import aggregates, bounds, collectives, events, ranks, steps, traces
 from ..store import runs as run_store
 from ..store.compile import load_compile
 from ..store.rows import RankRollups, RunRow
@@ -180,6 +185,9 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
         "token_balance": run_token_balance(engine, run),
         "network": run_network(engine, run, _stragglers(engine, run, fig)),
         "overlap_advice": run_overlap_advice(engine, run, fig, summary_bottlenecks(_bottlenecks(engine, run, fig))),
+        # records folded or dropped to keep server/limits.py's bounds: {bound: n} and, per event kind,
+        # "events_dropped" / "events_folded" {kind: n}
+        "folded": {**bounds.folded(engine, run.id), **run_limits(engine, run.id)},
         **par,
     }
 
@@ -193,7 +201,7 @@ def parallel_summary(engine: Engine, run: RunRow, fig: RunFigures) -> dict[str, 
     def compute() -> dict[str, Any]:
         rows = collectives.step_comm(engine, run.id)
         by_dim = parallel.comm_by_dim(rows)
-        evs = events.events_of_kind(engine, run.id, ("pp_stage", "pp_schedule", "comm_group"))
+        evs = events.pipeline_events(engine, run.id)  # bounded: ≤ MAX_EVENTS_PER_KIND of each, fields projected
         stage_evs = [(r, d) for r, k, _s, d in evs if k == "pp_stage"]
         for _r, k, _s, d in evs:
             if k == "pp_schedule":  # the schedule's micro-batches and name apply to every stage
@@ -210,7 +218,7 @@ def parallel_summary(engine: Engine, run: RunRow, fig: RunFigures) -> dict[str, 
             blocks = steps.recent_comm_blocks(engine, run.id, _PIPELINE_STEPS)
             per_stage = parallel.stage_figures(stage_of, blocks, [COLLECTIVE_OPS.index("send"), COLLECTIVE_OPS.index("recv")])
             pipeline = parallel.pipeline_summary(stage_evs, rows, fig.step_s, per_stage)
-        spans = parallel.group_spans([(r, d) for r, k, _s, d in evs if k == "comm_group"], _hosts(engine, run.id))
+        spans = _group_spans(engine, run.id)
         top_ops: dict[str, str] = {}
         best: dict[str, float] = {}
         for c in collectives.run_collectives(engine, run.id):
@@ -231,6 +239,51 @@ def parallel_summary(engine: Engine, run: RunRow, fig: RunFigures) -> dict[str, 
 
 def _hosts(engine: Engine, run_id: int) -> dict[int, tuple[str | None, str | None]]:
     return ranks.hosts(engine, run_id)
+
+
+#: ranks looked up to find the nodes the run's groups span, all dimensions together (a real job's
+#: groups of one dimension partition its ranks: ≤ 262,144 per dimension); beyond it, a lower bound
+_SPAN_RANKS = 1 << 24
+
+
+def _group_spans(engine: Engine, run_id: int) -> dict[str, int]:
+    """{dim: the most nodes one of its groups spans} from ``run_groups`` (bounded by MAX_GROUPS_PER_RUN rows
+    and ``_SPAN_RANKS`` ranks, rank lists read a chunk at a time); for a run stored before run_groups,
+    from the first ``comm_group`` events an older server kept in ``run_events`` (hard LIMIT)."""
+    node_of = parallel.node_index(_hosts(engine, run_id))
+    rows = events.group_rows(engine, run_id)
+    if not rows:
+        legacy = events.legacy_groups(engine, run_id)
+        return parallel.group_spans(((d, np.asarray(r, dtype=np.int64)) for d, r in legacy), node_of)
+    return parallel.group_spans(_stored_groups(engine, run_id, rows), node_of)
+
+
+def _stored_groups(engine: Engine, run_id: int, rows: list[events.GroupRow]) -> Iterator[tuple[str, np.ndarray]]:
+    """(dim, ranks) of the stored groups, each dimension's share of ``_SPAN_RANKS`` at most."""
+    by_dim: dict[str, list[events.GroupRow]] = {}
+    for row in rows:
+        by_dim.setdefault(row[0], []).append(row)
+    budget = _SPAN_RANKS // max(len(by_dim), 1)
+    for dim, grs in by_dim.items():
+        left = budget
+        listed: list[bytes] = []
+        for _dim, key, size, start, stride, n_listed, has_list in grs:
+            n = n_listed if has_list else size
+            if n > left:
+                continue
+            left -= n
+            if has_list:
+                listed.append(key)
+            else:
+                yield dim, group_members(start, stride, size, None, size)
+        for _key, blob in events.group_ranks(engine, run_id, dim, listed):
+            yield dim, decode_ranks(blob, MAX_GROUP_RANKS_LISTED)
+
+
+def run_limits(engine: Engine, run_id: int) -> dict[str, dict[str, int]]:
+    """The summary's ``limits``: events dropped beyond the run's caps and events stored folded, per kind
+    (read fresh: events land after the steps that version the cached parts)."""
+    return events.event_limits(engine, run_id)
 
 
 def bottlenecks(engine: Engine, run_id: int) -> dict[str, Any] | None:
@@ -273,7 +326,8 @@ def goodput(engine: Engine, run_id: int) -> dict[str, Any] | None:
     if times is None:
         return None
     frame = steps.load_steps(engine, run_id, ("step", "ts", "step_s", "data_s"))
-    return _goodput(run_id, times[0], times[1], frame, events.job_events(engine, run_id))
+    return _goodput(run_id, times[0], times[1], frame,
+                    events.job_events(engine, run_id, (*CHECKPOINT_KINDS, *EVAL_KINDS, *RESTART_KINDS)))
 
 
 def run_events(engine: Engine, run_id: int, limit: int = 500) -> list[dict[str, Any]]:

@@ -11,15 +11,17 @@ from .. import reports
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", summary="200 once the server is ready (database reachable)")
+@router.get("/healthz", summary="200 once the server is ready (database reachable)",
+            responses={503: {"description": "Starting, or the database is unreachable; retry after Retry-After seconds"}})
 def healthz(request: Request) -> JSONResponse:
     st = getattr(request.app.state, "fs", None)
     if st is None or not st.ready:
-        return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "1"})
     try:
         reports.database_ok(st.engine)
     except Exception as e:  # noqa: BLE001 - any failure to reach the database means not ready
-        return JSONResponse({"status": "database unavailable", "error": type(e).__name__}, status_code=503)
+        return JSONResponse({"status": "database unavailable", "error": type(e).__name__}, status_code=503,
+                            headers={"Retry-After": "2"})
     return JSONResponse({"status": "ok"})
 
 
@@ -27,5 +29,5 @@ def healthz(request: Request) -> JSONResponse:
 def metrics(request: Request) -> Response:
     st = getattr(request.app.state, "fs", None)
     if st is None:
-        return Response("", status_code=503)
+        return Response("", status_code=503, headers={"Retry-After": "1"})
     return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -12,8 +12,9 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 
-from ..deps import IngestAuth, State
+from ..deps import IngestAuth, IngestCaller, State
 from ..ingest import Overloaded
+from ..ownership import forbidden_detail, owners_for
 from ..schemas import INGEST_BODY_SCHEMA, IngestResponse
 from ..state import AppState
 from ..validate import BatchError
@@ -21,7 +22,7 @@ from ..validate import BatchError
 router = APIRouter(tags=["ingest"])
 log = logging.getLogger(__name__)
 
-_REASONS = {400: "malformed", 401: "auth", 413: "too_large", 415: "unsupported", 422: "invalid"}
+_REASONS = {400: "malformed", 401: "auth", 403: "forbidden", 413: "too_large", 415: "unsupported", 422: "invalid"}
 
 
 def _error(st: AppState, status: int, detail: str | dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
@@ -46,6 +47,8 @@ def _error(st: AppState, status: int, detail: str | dict[str, Any], headers: dic
     responses={
         400: {"description": "Malformed body (bad gzip/msgpack/JSON)"},
         401: {"description": "Missing or invalid bearer token; nothing written"},
+        403: {"description": "The batch's run belongs to another owner (not this token or its team; admin tokens "
+              "write any run); nothing written"},
         413: {"description": "Batch too large"},
         415: {"description": "Unsupported Content-Type or Content-Encoding"},
         422: {"description": "Invalid record: the detail names the record index and field (`where`, and structured "
@@ -54,7 +57,7 @@ def _error(st: AppState, status: int, detail: str | dict[str, Any], headers: dic
         503: {"description": "Overloaded; retry after Retry-After seconds"},
     },
 )
-async def ingest(request: Request, st: State) -> Any:
+async def ingest(request: Request, st: State, who: IngestCaller) -> Any:
     t0 = time.perf_counter()
     limit = st.settings.max_body_bytes
     clen = request.headers.get("content-length")
@@ -71,10 +74,16 @@ async def ingest(request: Request, st: State) -> Any:
             return _error(st, 413, f"body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
     body = b"".join(chunks)
+    owners = owners_for(st.engine)
+
+    def authorize(run_id: int) -> None:
+        if not owners.may_write(who, run_id):
+            raise BatchError("run_id", forbidden_detail(who, run_id), status=403)
 
     def work() -> Any:
         return st.ingest.ingest_body(body, request.headers.get("content-type"), request.headers.get("content-encoding"),
-                                     max_decoded=st.settings.max_decoded_bytes)
+                                     max_decoded=st.settings.max_decoded_bytes,
+                                     authorize=None if who.allows("admin") else authorize)
 
     try:
         res = await run_in_threadpool(work)

@@ -8,6 +8,7 @@ from fastapi import APIRouter, HTTPException, Path, Query
 
 from .. import reports
 from ..deps import State
+from ..limits import MAX_PAGE_ROWS
 
 router = APIRouter(tags=["nodes"])
 
@@ -15,8 +16,12 @@ NodeName = Annotated[str, Path(min_length=1, max_length=256, description="node n
 
 
 @router.get("/nodes", summary="Nodes ranked by how often they slowed a job, with their latest per-node microbenchmarks")
-def get_nodes(st: State, limit: Annotated[int, Query(ge=1, le=10_000, description="nodes returned")] = 500) -> dict[str, Any]:
-    return reports.node_list(st.engine, limit=limit)
+def get_nodes(st: State,
+              limit: Annotated[int, Query(ge=1, le=10_000, description=f"nodes returned (at most {MAX_PAGE_ROWS:,}: a "
+                                          "larger limit is clamped)")] = 500,
+              offset: Annotated[int, Query(ge=0, le=2**31 - 1, description="nodes skipped (worst first)")] = 0,
+              ) -> dict[str, Any]:
+    return reports.node_list(st.engine, limit=limit, offset=offset)
 
 
 @router.get("/nodes/{node}", summary="One node: its history over runs and its latest microbenchmarks")

@@ -8,6 +8,7 @@ from fastapi import APIRouter, HTTPException, Path, Query
 
 from .. import reports
 from ..deps import State
+from ..limits import MAX_PAGE_ROWS
 
 router = APIRouter(tags=["runs"])
 
@@ -20,8 +21,10 @@ def get_overlap(
     run_id: RunId, st: State,
     step: Annotated[int | None, Query(ge=0, le=2**31 - 1, description="step (default: a recent representative one)")] = None,
     rank: Annotated[int | None, Query(ge=0, le=2**31 - 1, description="rank (default: the step's median step time)")] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE_ROWS, description="collectives listed (the longest); the rest are "
+                                "summed in collectives_folded")] = MAX_PAGE_ROWS,
 ) -> dict[str, Any]:
-    out = reports.run_overlap(st.engine, run_id, step=step, rank=rank)
+    out = reports.run_overlap(st.engine, run_id, step=step, rank=rank, limit=limit)
     if out is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
     if out["rank"] is None and (step is not None or rank is not None):

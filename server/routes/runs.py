@@ -9,6 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import reports
 from ..deps import AdminAuth, IngestAuth, IngestCaller, State
+from ..ownership import owners_for
 from ..runs import NotOwner, RunFinish, RunRegistration, delete_run, finish_run, register_run
 from ..schemas import RunsResponse, SummaryResponse
 
@@ -17,17 +18,20 @@ router = APIRouter(tags=["runs"])
 RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
 
 
-@router.post("/runs", dependencies=[IngestAuth], summary="Register a run (idempotent by name; every rank may call it)")
+@router.post("/runs", dependencies=[IngestAuth],
+             summary="Register a run (idempotent by name within the token's team, else the token; every rank may call it)")
 def post_run(reg: RunRegistration, st: State, who: IngestCaller) -> dict[str, Any]:
-    out = register_run(st.engine, reg, owner_token_id=who.token_id, admin=who.allows("admin"))
+    out = register_run(st.engine, reg, owner_token_id=who.token_id, owner_key=who.owner_key)
     st.ingest.forget_run(out["id"])
     return out
 
 
-@router.post("/runs/{run_id}/finish", dependencies=[IngestAuth], summary="Mark a run finished/failed/aborted")
+@router.post("/runs/{run_id}/finish", dependencies=[IngestAuth], summary="Mark a run finished/failed/aborted",
+             responses={403: {"description": "The run belongs to another owner (not this token or its team); "
+                                             "nothing changed"}})
 def post_finish(run_id: RunId, body: RunFinish, st: State, who: IngestCaller) -> dict[str, Any]:
     try:
-        found = finish_run(st.engine, run_id, body.status, body.finished_at, token_id=who.token_id,
+        found = finish_run(st.engine, run_id, body.status, body.finished_at, owner_key=who.owner_key,
                            admin=who.allows("admin"))
     except NotOwner as e:
         raise HTTPException(status_code=403, detail=str(e)) from None
@@ -43,6 +47,7 @@ def delete_run_route(run_id: RunId, st: State) -> dict[str, Any]:
     if deleted is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
     st.ingest.forget_run(run_id)
+    owners_for(st.engine).forget(run_id)
     reports.clear_caches()
     return {"id": run_id, "deleted": deleted}
 

@@ -8,8 +8,9 @@ from fastapi import APIRouter, HTTPException, Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .. import reports
-from ..deps import IngestAuth, State
+from ..deps import IngestAuth, IngestCaller, State
 from ..jsonsafe import UnsafeValue, check_json, valid_text
+from ..ownership import forbidden_detail, owners_for
 from ..store.traces import SET_RANK, save_traces
 
 router = APIRouter(tags=["traces"])
@@ -58,7 +59,7 @@ def _check_json(v: Any, where: str) -> None:
         raise HTTPException(status_code=422, detail=f"{e.where}: {e.message}") from None
 
 
-def _rows(body: TraceUpload) -> list[tuple[int, str, dict[str, Any]]]:
+def _rows(body: TraceUpload, world_size: int) -> list[tuple[int, str, dict[str, Any]]]:
     import json
 
     rows: list[tuple[int, str, dict[str, Any]]] = []
@@ -66,6 +67,12 @@ def _rows(body: TraceUpload) -> list[tuple[int, str, dict[str, Any]]]:
         if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) > 2**31 - 1:
             raise HTTPException(
                 status_code=422, detail=f"ranks.{key[:40]}: a rank must be an integer in [0, 2^31)"
+            )
+        if int(key) >= world_size:
+            raise HTTPException(
+                status_code=422,
+                detail=f"ranks.{key}: rank {int(key)} is outside the run's world size {world_size} "
+                       f"(ranks 0..{world_size - 1})",
             )
         source = summary.get("source")
         if not isinstance(source, str) or not 1 <= len(source) <= 512:
@@ -93,11 +100,19 @@ def _rows(body: TraceUpload) -> list[tuple[int, str, dict[str, Any]]]:
 @router.post(
     "/runs/{run_id}/traces", response_model=TracesStored, dependencies=[IngestAuth],
     summary="Attach reduced Kineto traces to a run",
+    responses={403: {"description": "The run belongs to another owner (not this token or its team; admin tokens "
+                                    "write any run); nothing stored"},
+               404: {"description": "No such run"},
+               422: {"description": "Invalid summary, or a rank outside the run's world size; the detail names "
+                                    "the field; nothing stored"}},
 )
-def post_traces(run_id: RunId, body: TraceUpload, st: State) -> Any:
-    if reports.get_run(st.engine, run_id) is None:
+def post_traces(run_id: RunId, body: TraceUpload, st: State, who: IngestCaller) -> Any:
+    run = reports.get_run(st.engine, run_id)
+    if run is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
-    rows = _rows(body)
+    if not owners_for(st.engine).may_write(who, run_id):
+        raise HTTPException(status_code=403, detail=forbidden_detail(who, run_id))
+    rows = _rows(body, int(run["world_size"]))
     stored = save_traces(st.engine, run_id=run_id, rows=rows)
     return {"run_id": run_id, "stored": stored}
 

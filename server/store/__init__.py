@@ -13,11 +13,12 @@ alerts, benchmarks, traces) and keep their transactions here.
 | ``aggregates`` | per-run aggregates over ``steps``, the ``run_stats`` cache |
 | ``ranks`` | ``ranks``, ``rank_rollups``, ``rank_windows`` |
 | ``collectives`` | ``run_collectives``, ``run_modalities`` |
-| ``events`` | ``run_events`` |
+| ``events`` | ``run_events``, ``run_groups``, ``run_event_counts`` (written at ingest: ``land_events``) |
 | ``alerts`` / ``benchmarks`` / ``traces`` | their tables |
 | ``kernels`` | ``run_kernels``, ``run_kernel_ranks``, ``run_kernel_windows`` (folded from ``run_events``) |
-| ``landing`` | ingest: ``ingest_fragments``, ``modality_raw``, ``ranks``, ``run_events`` |
+| ``landing`` | ingest: ``ingest_fragments``, ``modality_raw``, ``ranks``, events via ``events.land_events`` |
 | ``compaction`` | the compactor's transaction (fragments → ``steps``, ``run_collectives``, counters) |
+| ``bounds`` | ``run_names`` (names a run keeps under a bound), ``run_folded`` (records folded to keep it) |
 | ``bootstrap`` | creating the database of embedded Postgres |
 
 Import the submodule you need (``from fleetscope.server.store import runs``); this package itself

@@ -7,6 +7,8 @@ from sqlalchemy import Engine, text
 
 from fleetscope.wire import COLLECTIVE_OPS
 
+from ..limits import MAX_PHASE_NAMES_PER_RUN
+from .bounds import OVERFLOW_PHASE
 from .rows import P2P, CollectiveRow, StepCommRow
 
 __all__ = ["CollectiveRow", "StepCommRow", "P2P", "run_collectives", "step_comm", "run_modalities", "custom_phases"]
@@ -53,11 +55,14 @@ def run_modalities(engine: Engine, run_id: int) -> list[tuple[int, str, int]]:
 
 
 def custom_phases(engine: Engine, run_id: int) -> dict[str, float]:
-    """{phase: median over steps of the cross-rank mean seconds} of the run's custom phases."""
+    """{phase: median over steps of the cross-rank mean seconds} of the run's custom phases, biggest
+    first: at most ``MAX_PHASE_NAMES_PER_RUN`` names plus the overflow phase, whatever is stored (the
+    compactor folds later names; a run stored before it did shows its biggest ones)."""
     with engine.connect() as c:
         rows = c.execute(
-            text("SELECT phase, percentile_cont(0.5) WITHIN GROUP (ORDER BY seconds / greatest(bit_count(ranks), 1)) "
-                 "FROM run_phases WHERE run_id = :id GROUP BY phase ORDER BY 2 DESC"),
-            {"id": run_id},
+            text("SELECT phase, v FROM (SELECT phase, percentile_cont(0.5) WITHIN GROUP "
+                 "(ORDER BY seconds / greatest(bit_count(ranks), 1)) AS v FROM run_phases WHERE run_id = :id "
+                 "GROUP BY phase) t ORDER BY phase = :other DESC, v DESC, phase LIMIT :k"),
+            {"id": run_id, "other": OVERFLOW_PHASE, "k": MAX_PHASE_NAMES_PER_RUN + 1},
         ).fetchall()
-    return {p: float(v) for p, v in rows}
+    return {p: float(v) for p, v in sorted(rows, key=lambda r: -float(r[1]))}

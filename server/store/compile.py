@@ -3,7 +3,9 @@
 plain tuples for ``analysis.compile.compile_health``.
 
 Event data is free-form JSONB: every number is read only when it is a JSON number (anything else is
-NULL), so a malformed event cannot fail the query. Not cached: events can land after the steps that
+NULL), so a malformed event cannot fail the query. Bounded whatever an older server stored: at most
+MAX_EVENTS_PER_RUN events are read, reasons are cut to MAX_REASON_CHARS, counts outside 0..MAX_HIST_COUNT
+are ignored. Not cached: events can land after the steps that
 version a run's cached reports (``RunRow.version``), so this is read fresh on every request.
 """
 
@@ -12,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sqlalchemy import Engine, text
+
+from ..limits import MAX_EVENTS_PER_RUN, MAX_HIST_COUNT, MAX_REASON_CHARS
 
 __all__ = ["CompileRows", "load_compile", "KINDS", "MAX_REASONS", "MAX_STEPS"]
 
@@ -41,8 +45,15 @@ class CompileRows:
 
 
 def _num(expr: str) -> str:
-    """``expr`` (a jsonb) as float8 when it is a JSON number, else NULL."""
-    return f"(CASE WHEN jsonb_typeof({expr}) = 'number' THEN ({expr} #>> '{{}}')::float8 END)"
+    """``expr`` (a jsonb) as float8 when it is a JSON number in 0..MAX_HIST_COUNT, else NULL (an older
+    server stored negative or 1e300 counts)."""
+    v = f"({expr} #>> '{{}}')::float8"
+    return f"(CASE WHEN jsonb_typeof({expr}) = 'number' THEN CASE WHEN {v} BETWEEN 0 AND {MAX_HIST_COUNT} THEN {v} END END)"
+
+
+def _reason(expr: str) -> str:
+    """``expr`` (text) cut to MAX_REASON_CHARS, marked "…" (an older server kept reasons whole)."""
+    return f"(CASE WHEN length({expr}) > {MAX_REASON_CHARS} THEN left({expr}, {MAX_REASON_CHARS - 1}) || '…' ELSE {expr} END)"
 
 
 def _array(expr: str) -> str:
@@ -56,23 +67,24 @@ _SQL = f"""
 WITH ev AS (
     SELECT rank, seq, kind, step, data FROM run_events
     WHERE run_id = :id AND kind IN ('compile', 'graph_break', 'compile_summary', 'cudagraph')
+    ORDER BY rank, seq LIMIT :max_events
 ), summ AS (
     SELECT DISTINCT ON (rank) rank, data FROM ev WHERE kind = 'compile_summary' ORDER BY rank, seq DESC
 ), per_rank_reason AS (
-    SELECT 'recompile' AS k, rank, data ->> 'reason' AS reason, count(*)::float8 AS n
+    SELECT 'recompile' AS k, rank, {_reason("data ->> 'reason'")} AS reason, count(*)::float8 AS n
     FROM ev WHERE kind = 'compile' AND {_RECOMPILE} AND jsonb_typeof(data -> 'reason') = 'string'
-    GROUP BY rank, data ->> 'reason'
+    GROUP BY rank, 3
     UNION ALL
-    SELECT 'recompile', s.rank, r ->> 'reason', {_num("r -> 'count'")}
-    FROM summ s, jsonb_array_elements({_array("s.data -> 'recompile_reasons'")}) r
-    WHERE jsonb_typeof(r -> 'reason') = 'string'
+    SELECT 'recompile', s.rank, {_reason("r.v ->> 'reason'")}, {_num("r.v -> 'count'")}
+    FROM summ s, jsonb_array_elements({_array("s.data -> 'recompile_reasons'")}) WITH ORDINALITY r(v, i)
+    WHERE jsonb_typeof(r.v -> 'reason') = 'string' AND r.i <= :max_reasons
     UNION ALL
-    SELECT 'graph_break', rank, data ->> 'reason', coalesce({_num("data -> 'count'")}, 1)
+    SELECT 'graph_break', rank, {_reason("data ->> 'reason'")}, coalesce({_num("data -> 'count'")}, 1)
     FROM ev WHERE kind = 'graph_break' AND jsonb_typeof(data -> 'reason') = 'string'
     UNION ALL
-    SELECT 'graph_break', s.rank, r ->> 'reason', {_num("r -> 'count'")}
-    FROM summ s, jsonb_array_elements({_array("s.data -> 'graph_breaks'")}) r
-    WHERE jsonb_typeof(r -> 'reason') = 'string'
+    SELECT 'graph_break', s.rank, {_reason("r.v ->> 'reason'")}, {_num("r.v -> 'count'")}
+    FROM summ s, jsonb_array_elements({_array("s.data -> 'graph_breaks'")}) WITH ORDINALITY r(v, i)
+    WHERE jsonb_typeof(r.v -> 'reason') = 'string' AND r.i <= :max_reasons
 ), reasons AS (
     SELECT k, reason, max(n) AS n FROM (
         SELECT k, rank, reason, max(n) AS n FROM per_rank_reason GROUP BY k, rank, reason
@@ -113,7 +125,8 @@ def _int(v: float | None) -> int | None:
 def load_compile(engine: Engine, run_id: int) -> CompileRows:
     """The run's compile events, aggregated per rank and per reason (see ``CompileRows``)."""
     with engine.connect() as c:
-        rows = c.execute(text(_SQL), {"id": run_id, "max_reasons": MAX_REASONS, "max_steps": MAX_STEPS}).fetchall()
+        rows = c.execute(text(_SQL), {"id": run_id, "max_reasons": MAX_REASONS, "max_steps": MAX_STEPS,
+                                      "max_events": MAX_EVENTS_PER_RUN}).fetchall()
     totals: list[tuple[int, str, int | None, int | None, float | None]] = []
     reasons: list[tuple[str, str, int, int]] = []
     steps: list[int] = []

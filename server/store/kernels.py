@@ -7,7 +7,9 @@ The fold (``fold_new_windows``) runs when the report is read: under the run's tr
 advisory lock it takes the trace windows not folded yet (a bounded chunk at a time), hands them with the
 stored state of their ranks to a pure fold (``analysis.kernels.fold_windows``, passed in), writes the
 changed rows back and marks the windows folded — one transaction per chunk, so a window is folded
-exactly once even with several server processes reading at the same time.
+exactly once even with several server processes reading at the same time. The report's reads are
+aggregated here (``kernel_totals``: one row per kept name; ``rank_summary``, ``kernel_spread``: over the
+ranks in SQL), so what the server loads does not grow with the ranks.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from sqlalchemy import Engine
 
 from ..db import raw_connection
 
-__all__ = ["fold_new_windows", "rank_rows", "kernel_totals", "kernel_rows", "WindowRow", "StoredState"]
+__all__ = ["fold_new_windows", "kernel_totals", "rank_summary", "kernel_spread", "WindowRow", "StoredState"]
 
 _LOCK_KEY = 727276  # with the run id: pg_advisory_xact_lock(key, run_id)
 
@@ -113,14 +115,6 @@ def _load_state(cur: Any, run_id: int, ranks: Sequence[int]) -> StoredState:
     return rank_rows, kernels, names
 
 
-def rank_rows(engine: Engine, run_id: int) -> dict[int, tuple[int, int, float, int, int]]:
-    """{rank: (windows, profiled steps, kernel µs, first window step, last window step)}."""
-    with raw_connection(engine) as conn, conn.cursor() as cur:
-        return {int(r): (int(w), int(s), float(us), int(f), int(la)) for r, w, s, us, f, la in cur.execute(
-            "SELECT rank, windows, steps, kernel_us, first_step, last_step FROM run_kernel_ranks WHERE run_id = %s",
-            (run_id,)).fetchall()}
-
-
 def kernel_totals(engine: Engine, run_id: int) -> list[tuple[str, str, float, int]]:
     """(name, category, µs, launches) of every kept kernel name, summed over ranks."""
     with raw_connection(engine) as conn, conn.cursor() as cur:
@@ -130,12 +124,43 @@ def kernel_totals(engine: Engine, run_id: int) -> list[tuple[str, str, float, in
             (run_id,)).fetchall()]
 
 
-def kernel_rows(engine: Engine, run_id: int, names: Sequence[str]) -> list[tuple[str, int, float, float, float]]:
-    """(name, rank, µs, first-window µs per step, last-window µs per step) of these kernels on every rank."""
-    if not names:
-        return []
+def rank_summary(engine: Engine, run_id: int) -> tuple[int, int, int, int | None, int | None, int]:
+    """(ranks with folded windows, windows, profiled rank-steps, first window step, last window step, ranks
+    with ≥ 2 windows), aggregated in the database whatever the ranks."""
     with raw_connection(engine) as conn, conn.cursor() as cur:
-        return [(n, int(r), float(us), float(f), float(la)) for n, r, us, f, la in cur.execute(
-            "SELECT n.name, k.rank, k.time_us, k.first_us, k.last_us FROM run_kernels k JOIN run_kernel_names n "
-            "ON n.run_id = k.run_id AND n.id = k.name_id WHERE k.run_id = %s AND n.name = ANY(%s)",
-            (run_id, list(names))).fetchall()]
+        row = cur.execute(
+            "SELECT count(*), coalesce(sum(windows), 0), coalesce(sum(steps), 0), min(first_step), max(last_step), "
+            "count(*) FILTER (WHERE windows >= 2) FROM run_kernel_ranks WHERE run_id = %s", (run_id,)).fetchone()
+    n, w, s, f, la, m = row if row is not None else (0, 0, 0, None, None, 0)
+    return int(n), int(w), int(s), None if f is None else int(f), None if la is None else int(la), int(m)
+
+
+_SPREAD = """
+WITH rk AS (SELECT rank, steps, windows >= 2 AS multi FROM run_kernel_ranks WHERE run_id = %(r)s),
+nm AS (SELECT n.id, n.name FROM unnest(%(names)s::text[]) AS u(name)
+       JOIN run_kernel_names n ON n.run_id = %(r)s AND n.name = u.name),
+v AS (SELECT nm.name, rk.rank, rk.multi,
+             CASE WHEN rk.steps > 0 THEN coalesce(k.time_us, 0) / rk.steps ELSE 0 END AS per_step,
+             coalesce(k.first_us, 0) AS f, coalesce(k.last_us, 0) AS l
+      FROM nm CROSS JOIN rk
+      LEFT JOIN run_kernels k ON k.run_id = %(r)s AND k.rank = rk.rank AND k.name_id = nm.id)
+SELECT name, min(per_step), percentile_cont(0.5) WITHIN GROUP (ORDER BY per_step), max(per_step),
+       (array_agg(rank ORDER BY per_step DESC, rank))[1],
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY f) FILTER (WHERE multi),
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY l) FILTER (WHERE multi)
+FROM v GROUP BY name
+"""
+
+
+def kernel_spread(engine: Engine, run_id: int,
+                  names: Sequence[str]) -> dict[str, tuple[float, float, float, int, float | None, float | None]]:
+    """{name: (min, median, max of the rank's µs per profiled step over the ranks with windows — 0 where the
+    kernel did not appear —, the lowest rank with the max, median µs per step in the first and in the last
+    window over the ranks with ≥ 2 windows (None: none))} of these kernels: one row per name, computed in
+    the database (never one row per rank and kernel in the server)."""
+    if not names:
+        return {}
+    with raw_connection(engine) as conn, conn.cursor() as cur:
+        rows = cur.execute(_SPREAD, {"r": run_id, "names": list(names)}).fetchall()
+    return {str(n): (float(lo), float(med), float(hi), int(r), None if f is None else float(f),
+                     None if la is None else float(la)) for n, lo, med, hi, r, f, la in rows}

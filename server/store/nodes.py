@@ -23,8 +23,10 @@ __all__ = [
     "has_node_health",
     "stale_runs",
     "node_history",
+    "node_page",
     "node_runs",
     "node_microbench",
+    "microbench_peers",
 ]
 
 
@@ -55,7 +57,8 @@ def save_node_health(engine: Engine, run_id: int, rank_steps: int, status: str, 
     (concurrent multi-row upserts of the same keys would deadlock)."""
     with engine.begin() as c:
         c.execute(text("SELECT pg_advisory_xact_lock(:k, :r)"), {"k": _LOCK_KEY, "r": run_id})
-        c.execute(text("DELETE FROM run_node_health WHERE run_id = :r AND NOT (node = ANY(:nodes))"),
+        c.execute(text("DELETE FROM run_node_health WHERE run_id = :r AND node NOT IN "  # a hashed subplan:
+                       "(SELECT unnest(CAST(:nodes AS text[])))"),  # not every row against every name
                   {"r": run_id, "nodes": [row["node"] for row in rows]})
         if rows:
             c.execute(
@@ -138,6 +141,46 @@ def node_history(engine: Engine, *, node: str | None = None) -> list[NodeHistory
                            None if lt is None else float(lt), t) for n, a, b, s, w, m, lt, t in rows]
 
 
+_NODE_ROWS = """
+WITH h AS (
+  SELECT node, count(*) AS runs, count(*) FILTER (WHERE straggler_ranks > 0) AS straggler_runs,
+         count(*) FILTER (WHERE slow_network) AS slow_network_runs,
+         count(*) FILTER (WHERE straggler_ranks > 0 OR slow_network) AS slowed_runs,
+         percentile_cont(0.5) WITHIN GROUP (ORDER BY busbw_ratio) AS busbw,
+         percentile_cont(0.5) WITHIN GROUP (ORDER BY latency_ratio) AS latency, max(seen_at) AS last_seen
+  FROM run_node_health GROUP BY node),
+m AS (SELECT DISTINCT params->>'node' AS node FROM benchmark_series
+      WHERE name LIKE :pre AND params->>'node' IS NOT NULL),
+a AS (SELECT coalesce(h.node, m.node) AS node, coalesce(h.runs, 0) AS runs,
+             coalesce(h.straggler_runs, 0) AS straggler_runs, coalesce(h.slow_network_runs, 0) AS slow_network_runs,
+             coalesce(h.slowed_runs, 0) AS slowed_runs, h.busbw, h.latency, h.last_seen
+      FROM h FULL JOIN m ON m.node = h.node)
+"""
+# worst first: most runs slowed, then the larger share of its runs, the lower busbw ratio (both as the
+# API rounds them), the name (code-point order)
+_NODE_ORDER = ("ORDER BY slowed_runs DESC, coalesce(round(slowed_runs::numeric / nullif(runs, 0), 4), 0) DESC, "
+               "round(busbw::numeric, 4) ASC NULLS LAST, node COLLATE \"C\"")
+
+
+def node_page(engine: Engine, *, limit: int, offset: int = 0,
+              prefix: str = "node_") -> tuple[list[NodeHistoryRow], tuple[int, int, int]]:
+    """(one page of every node seen in a run (``run_node_health``) or a per-node microbenchmark series
+    named ``prefix…``, worst first; (how many nodes there are, how many slowed a run, how many were
+    network-slow in one)). A node seen only in a microbenchmark has 0 runs."""
+    pre = prefix.replace("_", "\\_") + "%"
+    with engine.connect() as c:
+        totals = c.execute(text(
+            f"{_NODE_ROWS} SELECT count(*), count(*) FILTER (WHERE slowed_runs > 0), "
+            "count(*) FILTER (WHERE slow_network_runs > 0) FROM a"), {"pre": pre}).one()
+        rows = c.execute(text(
+            f"{_NODE_ROWS} SELECT node, runs, straggler_runs, slow_network_runs, slowed_runs, busbw, latency, "
+            f"last_seen FROM a {_NODE_ORDER} LIMIT :k OFFSET :o"),
+            {"pre": pre, "k": int(limit), "o": int(offset)}).fetchall()
+    return ([NodeHistoryRow(str(n), int(a), int(b), int(s), int(w), None if m is None else float(m),
+                            None if lt is None else float(lt), t) for n, a, b, s, w, m, lt, t in rows],
+            (int(totals[0]), int(totals[1]), int(totals[2])))
+
+
 def node_runs(engine: Engine, node: str, limit: int = 50) -> list[dict[str, Any]]:
     """The node's runs, newest first: run id and name and the node's figures in it."""
     with engine.connect() as c:
@@ -148,13 +191,30 @@ def node_runs(engine: Engine, node: str, limit: int = 50) -> list[dict[str, Any]
     return [dict(r._mapping) for r in rows]
 
 
-def node_microbench(engine: Engine, prefix: str = "node_") -> list[tuple[str, str, str, dict[str, Any], str, dt.datetime, float]]:
-    """(node, name, cluster, params, unit, ts, value) of the latest point of every benchmark series named
-    ``prefix…`` whose params name a node."""
+def node_microbench(engine: Engine, prefix: str = "node_", *, nodes: Sequence[str] | None = None) -> list[
+        tuple[str, str, str, dict[str, Any], str, dt.datetime, float, str]]:
+    """(node, name, cluster, params, unit, ts, value, peer key) of the latest point of every benchmark
+    series named ``prefix…`` whose params name a node (one of ``nodes`` when given); the peer key is the
+    params without the node (``microbench_peers``)."""
+    only = "" if nodes is None else "AND s.params->>'node' = ANY(:nodes) "
     with engine.connect() as c:
         rows = c.execute(text(
-            "SELECT s.params->>'node', s.name, s.cluster, s.params, s.unit, p.ts, p.value FROM benchmark_series s "
+            "SELECT s.params->>'node', s.name, s.cluster, s.params, s.unit, p.ts, p.value, (s.params - 'node')::text "
+            "FROM benchmark_series s "
             "JOIN LATERAL (SELECT ts, value FROM benchmark_points WHERE series_id = s.id ORDER BY ts DESC LIMIT 1) p "
-            "ON true WHERE s.name LIKE :pre AND s.params->>'node' IS NOT NULL ORDER BY s.id"),
+            f"ON true WHERE s.name LIKE :pre AND s.params->>'node' IS NOT NULL {only}ORDER BY s.id"),
+            {"pre": prefix.replace("_", "\\_") + "%", "nodes": list(nodes or [])}).fetchall()
+    return [(str(n), nm, cl, p or {}, u, t, float(v), str(k)) for n, nm, cl, p, u, t, v, k in rows]
+
+
+def microbench_peers(engine: Engine, prefix: str = "node_") -> dict[tuple[str, str, str], tuple[float, int]]:
+    """{(name, cluster, params without the node as JSON text): (median of the series' latest values, how
+    many series)} over every node's series named ``prefix…``: what a node's figure is compared with."""
+    with engine.connect() as c:
+        rows = c.execute(text(
+            "SELECT s.name, s.cluster, (s.params - 'node')::text, percentile_cont(0.5) WITHIN GROUP (ORDER BY p.value), "
+            "count(*) FROM benchmark_series s "
+            "JOIN LATERAL (SELECT value FROM benchmark_points WHERE series_id = s.id ORDER BY ts DESC LIMIT 1) p "
+            "ON true WHERE s.name LIKE :pre AND s.params->>'node' IS NOT NULL GROUP BY 1, 2, 3"),
             {"pre": prefix.replace("_", "\\_") + "%"}).fetchall()
-    return [(str(n), nm, cl, p or {}, u, t, float(v)) for n, nm, cl, p, u, t, v in rows]
+    return {(str(n), str(cl), str(k)): (float(m), int(cnt)) for n, cl, k, m, cnt in rows}

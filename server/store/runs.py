@@ -36,6 +36,7 @@ __all__ = [
     "run_version",
     "world_size",
     "upsert_run",
+    "owner_key_of",
     "finish_run",
     "runs_by_status",
     "running_steps",
@@ -293,15 +294,17 @@ def ping(engine: Engine) -> None:
 
 _INSERT = """
 INSERT INTO runs (name, model_family, config, config_signature, world_size, mp_size, device_type,
-                  device_count, peak_flops, git_commit, meta, started_at, status, last_seen_at, owner_token_id)
+                  device_count, peak_flops, git_commit, meta, started_at, status, last_seen_at, owner_token_id,
+                  owner_key)
 VALUES (:name, :family, CAST(:config AS jsonb), :sig, :ws, :mp, :dt, :dc, :peak, :git,
-        CAST(:meta AS jsonb), coalesce(to_timestamp(:started), now()), 'running', now(), :owner)
-ON CONFLICT (name) DO NOTHING
+        CAST(:meta AS jsonb), coalesce(to_timestamp(:started), now()), 'running', now(), :owner, :owner_key)
+ON CONFLICT (owner_key, name) DO NOTHING
 RETURNING id, name, world_size
 """
 
-#: another rank of the same job (same token, an admin, or a run from before owners) joins the run:
-#: missing fields are filled in, the world size may grow, meta merges, the run is running again
+#: another rank of the same job (the same owner: the same token, a token of the same team, or — in
+#: the ownerless namespace '' — a server without auth) joins the run: missing fields are filled in,
+#: the world size may grow, meta merges, the run is running again
 _JOIN = """
 UPDATE runs SET
     model_family = coalesce(runs.model_family, :family),
@@ -316,7 +319,7 @@ UPDATE runs SET
     status = 'running',
     finished_at = NULL,
     last_seen_at = now()
-WHERE name = :name AND (runs.owner_token_id IS NULL OR runs.owner_token_id = :owner OR :admin)
+WHERE owner_key = :owner_key AND name = :name
 RETURNING id, name, world_size
 """
 
@@ -324,32 +327,34 @@ RETURNING id, name, world_size
 def upsert_run(engine: Engine, *, name: str, family: str | None, config_json: str, signature: str, world_size: int,
                mp_size: int, device_type: str | None, device_count: int | None, peak_flops: float | None,
                git_commit: str | None, meta_json: str, started_at: float | None, owner_token_id: int | None = None,
-               admin: bool = True) -> dict[str, Any]:
-    """Create the run, or join the one of that name. Only its owner (the token that created it) or an
-    admin changes an existing run; any other token gets its id and changes nothing."""
+               owner_key: str = "") -> dict[str, Any]:
+    """Create the run, or join the one of that name in the namespace ``owner_key`` (``runs.owner_key``:
+    'team:<team>', 'token:<id>', or '' for no owner). A name is unique per namespace only: an owner
+    registering a name that another owner holds gets a run of its own and never touches the other's."""
     params = {"name": name, "family": family, "config": config_json, "sig": signature, "ws": world_size,
               "mp": mp_size, "dt": device_type, "dc": device_count, "peak": peak_flops, "git": git_commit,
-              "meta": meta_json, "started": started_at, "owner": owner_token_id, "admin": admin}
+              "meta": meta_json, "started": started_at, "owner": owner_token_id, "owner_key": owner_key}
     with engine.begin() as c:
-        row = c.execute(text(_INSERT), params).one_or_none()
-        if row is not None:
-            return {"id": row.id, "name": row.name, "world_size": row.world_size, "created": True}
-        row = c.execute(text(_JOIN), params).one_or_none()
-        if row is None:  # someone else's run: its id, untouched
-            row = c.execute(text("SELECT id, name, world_size FROM runs WHERE name = :name"), params).one()
-    return {"id": row.id, "name": row.name, "world_size": row.world_size, "created": False}
+        for _ in range(3):  # the run may be deleted between the two statements: then create it again
+            row = c.execute(text(_INSERT), params).one_or_none()
+            if row is not None:
+                return {"id": row.id, "name": row.name, "world_size": row.world_size, "created": True}
+            row = c.execute(text(_JOIN), params).one_or_none()
+            if row is not None:
+                return {"id": row.id, "name": row.name, "world_size": row.world_size, "created": False}
+    raise RuntimeError(f"run {name!r} was deleted while it was being registered; register it again")
 
 
-def owner_of(engine: Engine, run_id: int) -> tuple[bool, int | None]:
-    """(the run exists, its owner token id)."""
+def owner_key_of(engine: Engine, run_id: int) -> tuple[bool, str]:
+    """(the run exists, its ``owner_key``: 'team:<team>', 'token:<id>', or '' for a run without owner)."""
     with engine.connect() as c:
-        row = c.execute(text("SELECT owner_token_id FROM runs WHERE id = :id"), {"id": run_id}).fetchone()
-    return (row is not None, None if row is None else row[0])
+        row = c.execute(text("SELECT owner_key FROM runs WHERE id = :id"), {"id": run_id}).fetchone()
+    return (row is not None, "" if row is None else str(row[0]))
 
 
 #: every table that holds rows of a run, children first (runs last)
 _RUN_TABLES = ("ingest_fragments", "modality_raw", "steps", "run_collectives", "run_modalities", "run_events",
-               "run_dims", "step_comm", "phase_raw", "run_phases",
+               "run_groups", "run_event_counts", "run_dims", "step_comm", "phase_raw", "run_phases",
                "trace_summaries", "rank_rollups", "rank_windows", "run_stats", "alerts", "ranks")
 
 

@@ -18,15 +18,15 @@ def active_count(conn: Any, name: str) -> int:
 
 
 def insert_token(conn: Any, *, name: str, token_hash: str, prefix: str, scope: str,
-                 expires_in_s: float | None, revoke_same_name: bool) -> None:
+                 expires_in_s: float | None, revoke_same_name: bool, team: str | None = None) -> None:
     """Store a new token (in the caller's transaction), revoking the active one of that name if asked."""
     if revoke_same_name:
         conn.execute(text("UPDATE api_tokens SET revoked_at = now() WHERE name = :n AND revoked_at IS NULL"),
                      {"n": name})
     conn.execute(
-        text("INSERT INTO api_tokens (name, token_hash, prefix, scope, expires_at) "
-             "VALUES (:n, :h, :p, :s, now() + make_interval(secs => :e))"),
-        {"n": name, "h": token_hash, "p": prefix, "s": scope, "e": expires_in_s},
+        text("INSERT INTO api_tokens (name, token_hash, prefix, scope, expires_at, team) "
+             "VALUES (:n, :h, :p, :s, now() + make_interval(secs => :e), :t)"),
+        {"n": name, "h": token_hash, "p": prefix, "s": scope, "e": expires_in_s, "t": team},
     )
 
 
@@ -34,7 +34,7 @@ def list_all(engine: Engine) -> list[dict[str, Any]]:
     """Every token, newest first, without its hash."""
     with engine.connect() as c:
         rows = c.execute(text(
-            "SELECT name, scope, prefix, created_at, last_used_at, expires_at, revoked_at FROM api_tokens "
+            "SELECT name, scope, team, prefix, created_at, last_used_at, expires_at, revoked_at FROM api_tokens "
             "ORDER BY created_at DESC, id DESC")).mappings().all()
     return [dict(r) for r in rows]
 
@@ -46,14 +46,15 @@ def revoke_by_name(engine: Engine, name: str) -> int:
                              {"n": name}).rowcount or 0)
 
 
-def find_valid(engine: Engine, token_hash: str) -> tuple[int, str, str, str] | None:
-    """(id, name, scope, hash) of the unrevoked, unexpired token with this hash."""
+def find_valid(engine: Engine, token_hash: str) -> tuple[int, str, str, str, str | None] | None:
+    """(id, name, scope, hash, team) of the unrevoked, unexpired token with this hash."""
     with engine.connect() as c:
         row = c.execute(
-            text("SELECT id, name, scope, token_hash FROM api_tokens WHERE token_hash = :h "
+            text("SELECT id, name, scope, token_hash, team FROM api_tokens WHERE token_hash = :h "
                  "AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > now())"), {"h": token_hash}
         ).fetchone()
-    return None if row is None else (int(row[0]), str(row[1]), str(row[2]), str(row[3]))
+    return None if row is None else (int(row[0]), str(row[1]), str(row[2]), str(row[3]),
+                                     None if row[4] is None else str(row[4]))
 
 
 def touch(engine: Engine, token_id: int) -> None:

@@ -14,20 +14,32 @@ from typing import Any
 
 from sqlalchemy import Engine, text
 
+from ..analysis.kernels import bound_top_kernels
+from ..limits import MAX_KERNELS_PER_TRACE, MAX_PAGE_ROWS
+from . import bounds
+
 __all__ = ["save_traces", "run_traces", "SET_RANK"]
 
 SET_RANK = -1  # the row of cross-rank figures of one import
 
 
 def save_traces(engine: Engine, *, run_id: int, rows: list[tuple[int, str, dict[str, Any]]]) -> int:
-    """Upsert ``(rank, source, summary)`` rows of one run in one transaction; returns how many."""
+    """Upsert ``(rank, source, summary)`` rows of one run in one transaction; returns how many. Each
+    summary keeps at most ``MAX_KERNELS_PER_TRACE`` named kernels in ``top_kernels``, the rest summed
+    into "others" rows (``analysis.kernels.bound_top_kernels``; counted as the run's folded "kernels")."""
     if not rows:
         return 0
-    params = [
-        {"run": run_id, "rank": rank, "source": source, "summary": json.dumps(summary, allow_nan=False)}
-        for rank, source, summary in rows
-    ]
+    params = []
+    n_folded = 0
+    for rank, source, summary in rows:
+        if isinstance(summary, dict) and "top_kernels" in summary:
+            top, k = bound_top_kernels(summary["top_kernels"], MAX_KERNELS_PER_TRACE)
+            if k or top is not summary["top_kernels"]:
+                summary = {**summary, "top_kernels": top}
+            n_folded += k
+        params.append({"run": run_id, "rank": rank, "source": source, "summary": json.dumps(summary, allow_nan=False)})
     with engine.begin() as c:
+        bounds.add_folded_in(c, [(run_id, "kernels", n_folded)])
         c.execute(
             text(
                 "INSERT INTO trace_summaries (run_id, rank, source, summary) "
@@ -39,8 +51,9 @@ def save_traces(engine: Engine, *, run_id: int, rows: list[tuple[int, str, dict[
     return len(rows)
 
 
-def run_traces(engine: Engine, run_id: int) -> list[dict[str, Any]]:
-    """The run's trace summaries, ranks ascending (the cross-rank row, ``rank = -1``, first).
+def run_traces(engine: Engine, run_id: int, limit: int = MAX_PAGE_ROWS) -> list[dict[str, Any]]:
+    """The run's trace summaries, ranks ascending (the cross-rank row, ``rank = -1``, first): at most
+    ``limit`` imported and ``limit`` sampled ones, the first ``limit`` of them together.
 
     Each item: ``{"rank", "source", "created_at", "summary"}``. A rank's summary carries
     ``kernel_time_us``, ``idle_pct``, ``compute_pct``, ``non_compute_pct``, ``comm_overlap_pct``,
@@ -48,13 +61,15 @@ def run_traces(engine: Engine, run_id: int) -> list[dict[str, Any]]:
     """
     with engine.connect() as c:
         rows = c.execute(
-            text("SELECT rank, source, created_at, summary FROM trace_summaries WHERE run_id = :run ORDER BY rank, source"),
-            {"run": run_id},
+            text("SELECT rank, source, created_at, summary FROM trace_summaries WHERE run_id = :run "
+                 "ORDER BY rank, source LIMIT :k"),
+            {"run": run_id, "k": limit},
         ).fetchall()
         # the agent's sampled tracing sends its summaries as `trace_summary` events (agent/tracing.py)
         sampled = c.execute(
-            text("SELECT rank, data FROM run_events WHERE run_id = :run AND kind = 'trace_summary' ORDER BY rank, step"),
-            {"run": run_id},
+            text("SELECT rank, data FROM run_events WHERE run_id = :run AND kind = 'trace_summary' "
+                 "ORDER BY rank, step LIMIT :k"),
+            {"run": run_id, "k": limit},
         ).fetchall()
     out = [
         {"rank": r.rank, "source": r.source, "created_at": r.created_at.isoformat() if r.created_at is not None else None,
@@ -66,4 +81,4 @@ def run_traces(engine: Engine, run_id: int) -> list[dict[str, Any]]:
         if isinstance(summary, dict):
             out.append({"rank": rank, "source": summary.get("source") or "sampled", "created_at": None, "summary": summary})
     out.sort(key=lambda d: (d["rank"], d["source"]))
-    return out
+    return out[:limit]

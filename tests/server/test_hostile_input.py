@@ -130,7 +130,7 @@ def test_another_token_cannot_raise_world_size_reopen_or_rewrite_a_run(api: Any)
     h = {"Authorization": f"Bearer {other}"}
     assert c.post(f"/api/v1/runs/{rid}/finish", json={"status": "finished"}).status_code == 200
     r = c.post("/api/v1/runs", json={**REG, "world_size": 100_000, "meta": {"x": 1}}, headers=h)
-    assert r.status_code == 200 and r.json()["id"] == rid  # joining by name stays idempotent ...
+    assert r.status_code == 200 and r.json()["id"] != rid  # the name in its own namespace: a run of its own ...
     run = c.get(f"/api/v1/runs/{rid}").json()
     assert run["world_size"] == 4 and run["status"] == "finished" and "x" not in (run.get("meta") or {})
     # ... and finishing another token's run needs admin

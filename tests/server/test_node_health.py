@@ -110,8 +110,9 @@ def test_bad_input_is_refused_naming_the_field(live_server: Any) -> None:
         assert out.exit_code == 2 and "--slow-node" in out.output and msg in out.output, out.output
     assert httpx.get(f"{live_server.url}/api/v1/runs", params={"name": "bad"}).json()["runs"] == []
     # no runs: an empty history, and a run without collectives has an empty network
-    assert httpx.get(f"{live_server.url}/api/v1/nodes").json() == {"nodes": [], "total": 0, "refreshed_runs": 0,
-                                                                    "pending_runs": 0}
+    assert httpx.get(f"{live_server.url}/api/v1/nodes").json() == {
+        "nodes": [], "total": 0, "slowed_total": 0, "slow_network_total": 0, "limit": 500, "offset": 0,
+        "refreshed_runs": 0, "pending_runs": 0}
     rid = load(live_server, RunSpec(name="no-coll", family="vit-h", world_size=4, steps=5), collectives=False)
     net = _summary(live_server, rid)["network"]
     assert net["slow_ranks"] == [] and net["slow_nodes"] == [] and net["ranks_measured"] == 0 and net["source"] is None

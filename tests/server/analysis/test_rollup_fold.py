@@ -31,6 +31,21 @@ def test_fold_ignores_unmeasurable_rows() -> None:
     assert roll["hist"].sum() == 6 and np.isfinite(roll["excess_s"]).all() and np.isfinite(roll["data_excess_s"]).all()
 
 
+def test_fold_of_only_unmeasurable_rows_is_empty() -> None:
+    """A pass whose every row has zero work (0-duration steps) folds nothing instead of failing
+    (it used to raise IndexError, and the compaction pass skipped its rollups)."""
+    n = 3
+    S = {"run_id": np.full(n, 7), "step": np.zeros(n, dtype=np.int64), "rank": np.arange(n),
+         "is_old": np.zeros(n, dtype=bool), "step_s": np.zeros(n), "comm_exposed_s": np.zeros(n),
+         "data_s": np.zeros(n), "compute_s": np.zeros(n), "other_s": np.zeros(n)}
+    assert rollups._contribution(S, S["step"].copy(), 1, np.ones(n, dtype=bool)) == ({}, {})
+    before = rollups.fold_errors
+    sink = _Sink()
+    C = {k: np.empty(0) for k in ("run_id", "rank", "seq", "start_ts", "is_old")}
+    fold_rank_rollups(sink, S=S, C=C, gid=S["step"].copy(), cgid=np.empty(0, dtype=np.int64), gkeys=np.zeros((1, 2)))
+    assert rollups.fold_errors == before and sink.rollups == [] and sink.windows == []
+
+
 
 class _Sink:
     """Records what the fold writes; holds histograms like ``rank_rollups`` does."""

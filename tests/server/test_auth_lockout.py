@@ -1,0 +1,142 @@
+"""The failed-auth limit locks out failing requests, never a valid token; it keys on the TCP peer unless
+the peer is a configured proxy (X-Forwarded-For); every 429 and 503 says when to come back.
+
+The servers here are started with the uvicorn configuration ``fleetscope serve`` uses
+(``server.serve.uvicorn_config``: uvicorn's own proxy-header handling off), over loopback HTTP."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import LiveServer, free_port
+from fleetscope.server.db import EmbeddedPostgres
+
+REG = {"name": "lockout", "model_family": "f", "world_size": 1}
+
+
+def _start(db_url: str, **overrides: Any) -> LiveServer:
+    import uvicorn
+    from fleetscope.server.auth import create_token
+    from fleetscope.server.serve import uvicorn_config
+    from fleetscope.server.settings import Settings
+
+    from fleetscope.webapp import create_web_app
+
+    port = free_port()
+    settings = Settings(database_url=db_url, port=port, compact_interval_s=0.2, **overrides)
+    app = create_web_app(settings)
+    server = uvicorn.Server(uvicorn_config(app, settings, log_level="warning"))
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not t.is_alive():
+            raise RuntimeError("test server did not start")
+        time.sleep(0.02)
+    token = create_token(app.state.fs.engine, f"test-{port}", scope="admin")
+    return LiveServer(f"http://127.0.0.1:{port}", app, token, db_url, server, t)
+
+
+@pytest.fixture
+def server_factory(db_url: str) -> Iterator[Any]:
+    started: list[LiveServer] = []
+
+    def make(**overrides: Any) -> LiveServer:
+        srv = _start(db_url, **overrides)
+        started.append(srv)
+        return srv
+
+    yield make
+    for srv in started:
+        srv.stop()
+
+
+def _post(c: httpx.Client, token: str | None, xff: str | None = None) -> httpx.Response:
+    h = {"Authorization": f"Bearer {token}"} if token else {}
+    if xff is not None:
+        h["X-Forwarded-For"] = xff
+    return c.post("/api/v1/runs", json=REG, headers=h)
+
+
+def test_a_valid_token_passes_from_an_address_locked_out_by_bad_tokens(server_factory: Any) -> None:
+    srv = server_factory()  # the default limit: 20 failures a minute
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        codes = [_post(c, "fs_bad").status_code for _ in range(21)]
+        assert codes == [401] * 20 + [429]
+        # the address is over the limit, but a request with a valid token passes, again and again
+        for _ in range(3):
+            r = _post(c, srv.token)
+            assert r.status_code == 200, r.text
+        # failing requests (bad token, or none) still get 429 with a Retry-After within the window
+        for token in ("fs_bad", None):
+            r = _post(c, token)
+            assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 61, (token, r.headers)
+
+
+def test_valid_requests_are_never_counted_as_failures(server_factory: Any) -> None:
+    srv = server_factory(auth_fail_limit=3, auth_fail_window_s=30)
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert [_post(c, "fs_bad").status_code for _ in range(2)] == [401, 401]
+        assert all(_post(c, srv.token).status_code == 200 for _ in range(10))
+        assert _post(c, "fs_bad").status_code == 401  # the third failure: still under the limit
+        assert _post(c, "fs_bad").status_code == 429
+
+
+def test_x_forwarded_for_is_ignored_unless_the_peer_is_a_configured_proxy(server_factory: Any) -> None:
+    plain = server_factory(auth_fail_limit=3, auth_fail_window_s=30)
+    with httpx.Client(base_url=plain.url, timeout=30) as c:
+        # a client cannot escape the limit (or pin it on others) by inventing X-Forwarded-For
+        codes = [_post(c, "fs_bad", xff=f"10.0.0.{i}").status_code for i in range(4)]
+        assert codes == [401, 401, 401, 429]
+
+    proxied = server_factory(auth_fail_limit=3, auth_fail_window_s=30, forwarded_allow_ips="127.0.0.0/8, 10.9.9.9")
+    with httpx.Client(base_url=proxied.url, timeout=30) as c:
+        assert [_post(c, "fs_bad", xff="10.0.0.1").status_code for _ in range(4)] == [401, 401, 401, 429]
+        # another client behind the same proxy is not locked out
+        assert _post(c, "fs_bad", xff="10.0.0.2").status_code == 401
+        # the nearest hop that is not a trusted proxy is the client: a spoofed leftmost entry does not count
+        assert _post(c, "fs_bad", xff="10.0.0.2, 10.0.0.1").status_code == 429
+        assert _post(c, "fs_bad", xff="10.0.0.1, 10.0.0.3, 10.9.9.9").status_code == 401  # client 10.0.0.3
+        # and a valid token from the locked-out client passes
+        assert _post(c, proxied.token, xff="10.0.0.1").status_code == 200
+
+
+def test_forwarded_allow_ips_comes_from_the_environment_and_refuses_garbage(monkeypatch: Any) -> None:
+    from fleetscope.server.settings import Settings
+    from pydantic import ValidationError
+
+    assert Settings().forwarded_allow_ips == []
+    monkeypatch.setenv("FLEETSCOPE_FORWARDED_ALLOW_IPS", "10.0.0.0/8, ::1,*")
+    assert Settings().forwarded_allow_ips == ["10.0.0.0/8", "::1", "*"]
+    monkeypatch.setenv("FLEETSCOPE_FORWARDED_ALLOW_IPS", "proxy.example.com")
+    with pytest.raises(ValidationError, match="not an IP address or network"):
+        Settings()
+
+
+def test_healthz_and_every_route_answer_503_with_retry_after_while_postgres_is_down() -> None:
+    d = Path(tempfile.mkdtemp(prefix="fsl-", dir="/tmp"))
+    pg = EmbeddedPostgres(d)
+    url = pg.start()
+    srv = None
+    try:
+        srv = _start(url)
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            assert c.get("/healthz").status_code == 200
+            pg.stop()
+            for r in (c.get("/healthz"), c.get("/api/v1/runs"), _post(c, srv.token)):
+                assert r.status_code == 503, (r.request.url, r.text[:200])
+                assert int(r.headers["retry-after"]) >= 1, r.request.url
+    finally:
+        if srv is not None:
+            srv.stop()
+        pg.stop()
+        shutil.rmtree(d, ignore_errors=True)

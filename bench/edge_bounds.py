@@ -318,13 +318,12 @@ def main(args: Any) -> None:
     pg = pgserver.get_server(tmp / "pg", cleanup_mode=None)
     figures: list[tuple[str, float, str]] = []
     try:
-        base = pg.get_uri()
         builds = [("after", args.fleetscope)]
         if args.before:
             builds.insert(0, ("before", args.before))
         for label, exe in builds:
             pg.psql(f"CREATE DATABASE bounds_{label};")
-            url = base.rsplit("/", 1)[0] + f"/bounds_{label}"
+            url = pg.get_uri(database=f"bounds_{label}")
             srv = Server(exe, url, tmp, label)
             try:
                 figures.append((f"{label}_server_rss_idle", srv.idle, "MiB"))

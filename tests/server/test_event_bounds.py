@@ -477,8 +477,9 @@ def test_the_largest_allowed_event_payloads_give_a_summary_and_run_page_in_bound
             for g in range(n_listed)]
         c.ingest({"v": 1, "run_id": rid, "events": listed})
         extra = 100
-        size = world // 4  # distinct progressions of 4,096 ranks: every start of stride 1, then of stride 2
-        shapes = [(st, sd) for sd in (1, 2) for st in range(world - sd * (size - 1))]
+        size = world // 16  # distinct progressions of world/16 ranks: every start of stride 1, then 2, ...
+        shapes = [(st, sd) for sd in range(1, 9) for st in range(world - sd * (size - 1))]
+        assert len(shapes) > MAX_GROUPS_PER_RUN + extra
         prog = [_ev(i % world, 20_000 + i // world, "comm_group", {"dim": "cp", "size": size, "start": st, "stride": sd})
                 for i, (st, sd) in enumerate(shapes[:MAX_GROUPS_PER_RUN - n_listed + extra])]
         kept = sum(c.ingest({"v": 1, "run_id": rid, "events": prog[i:i + 8_192]})["accepted"]["events"]

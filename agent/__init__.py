@@ -69,7 +69,7 @@ def init(
     flops_per_token: float | None = None,
     transformer: dict[str, int] | None = None,
     peak_flops: float | None = None,
-    dtype: str | None = "bf16",
+    dtype: str | None = None,
     start_step: int = 0,
     mp_size: int | None = None,
     meta: dict[str, Any] | None = None,
@@ -82,8 +82,11 @@ def init(
     ``flops_per_step``/``flops_per_token`` give the model FLOPs (source "given"); ``transformer`` =
     ``{"params", "layers", "heads", "head_dim", "seq_len"}`` estimates them by the PaLM formula
     ("estimated"); otherwise they are measured once with FlopCounterMode ("measured").
-    ``peak_flops`` overrides the per-device table (mfu.py); ``mp_size`` = TP×PP ranks per data-parallel
-    replica (tokens are counted once per replica). ``agent_settings`` are ``AgentConfig``
+    ``peak_flops`` overrides FLEETSCOPE_PEAK_FLOPS, which overrides the per-device table (mfu.py) looked
+    up by ``dtype`` ("bf16", "fp16", "fp32"...; None: detected — the autocast state at init, else torch's
+    default dtype; zero-code runs detect it from the model, see auto.py). ``mp_size`` = TP×PP ranks per
+    data-parallel replica (tokens are counted once per replica; the formula's FLOPs are divided by it,
+    else by the DeviceMesh's model-parallel degree). ``agent_settings`` are ``AgentConfig``
     fields (``server=``, ``token=``, ``offline=``, ``disabled=`` ...) over the FLEETSCOPE_* variables.
     ``transport`` is a factory ``(AgentConfig, run_info) -> Transport`` (``protocols.Transport``; tests).
     Never raises because of the environment (an unusable FLEETSCOPE_* value is reported and ignored,
@@ -159,7 +162,19 @@ def _init(
         source = "measured"  # by FlopCounterMode over the first step (an "flops" event carries it)
     else:
         source = None
-    peak = float(peak_flops) if peak_flops is not None else mfu.peak_flops(device.device_type, dtype)
+    dtype_source = "given"
+    if dtype is None:
+        dtype, dtype_source = mfu.detect_dtype()
+    env_peak = mfu.env_peak_flops() if peak_flops is None else None
+    if peak_flops is not None:
+        peak: float | None = float(peak_flops)
+        peak_source: str | None = "given"
+    elif env_peak is not None:
+        peak, peak_source = env_peak, "env"
+    else:
+        peak = mfu.peak_flops(device.device_type, dtype)
+        peak_source = "table" if peak else None
+    formula_mp = int(mp_size) if source == "estimated" and mp_size else None  # given: no mesh lookup
 
     run_name = name or os.environ.get("FLEETSCOPE_RUN_NAME") or _default_name(rank_env.job_id)
     run_meta: dict[str, Any] = {
@@ -172,8 +187,9 @@ def _init(
         "launcher": rank_env.launcher,
         "device_name": device.device_name,
         "dtype": dtype,
+        "dtype_source": dtype_source,
         "flops_source": source,
-        "peak_flops_source": "given" if peak_flops is not None else ("table" if peak else None),
+        "peak_flops_source": peak_source,
         "agent": "fleetscope",
         **versions,
     }
@@ -181,6 +197,9 @@ def _init(
         run_meta["flops_per_step"] = float(flops_per_step)
     if per_token is not None:
         run_meta["flops_per_token"] = per_token
+        if formula_mp is not None and formula_mp > 1:  # the formula counts the whole model; a rank does 1/mp_size
+            per_token /= formula_mp
+            run_meta["flops_mp_degree"] = formula_mp
     if meta:
         run_meta.update(meta)
     run_info: dict[str, Any] = {
@@ -217,6 +236,8 @@ def _init(
         flops_per_token=per_token,
         flops_source=source,
     )
+    if formula_mp is not None:
+        run._flop_mp = formula_mp
     tx.submit(
         "rank",
         {

@@ -15,9 +15,21 @@ starts. From then on, with no change to the training script:
   family ``FLEETSCOPE_FAMILY``) and ``run.instrument(model=<that module>)``: forward hooks on that
   top-level module only, plus DDP's comm hook, exactly as automatic mode.
 * Step boundaries come from global optimizer hooks (``register_optimizer_step_pre_hook`` /
-  ``..._post_hook``): a step ends when the first optimizer that stepped finishes ``step()``, so
-  gradient-accumulation micro-steps are not steps. The next step opens at once in ``data``: the time
-  until its first forward (loading the batch) is its ``data_s``.
+  ``..._post_hook``), registered when torch is imported (so they also see an ``optimizer.step()``
+  entered before the run starts): a step ends when the first optimizer that stepped finishes
+  ``step()``, so gradient-accumulation micro-steps are not steps. The next step opens at once in
+  ``data``: the time until its first forward (loading the batch) is its ``data_s``.
+* A closure passed to ``optimizer.step(closure)`` (Lightning's automatic optimization runs the last
+  micro-batch's forward and backward in it) is the step's forward and backward: the pre-hook wraps
+  it, and the optimizer phase begins when it returns (the first step's FLOP count ends there)
+  (``torch_hooks._optimizer_step_pre``). In Lightning's first step the run starts *inside* that
+  closure: the hook wrapped it before the run existed, and the step still ends at ``step()``'s end.
+* A backward run *inside* the top-level forward (Lightning's manual optimization runs the whole
+  ``training_step`` there) is marked ``backward``: ``torch.autograd.backward`` is wrapped once the run
+  starts (``torch_hooks._NestedBackward``); a backward after the forward passes through unmarked.
+* Collectives after the last optimizer step (HF Trainer's end-of-training gathers and barriers) land
+  in the step opened in ``data``, which never ends: at ``finish`` it is discarded and they are
+  reported as a ``collectives_after_last_step`` event, not as a step of their own (``run.finish``).
 
 Every hook body is guarded: a failure is logged once and the job goes on, unsynchronised.
 """
@@ -45,6 +57,9 @@ _activated = False
 _depth = 0  # nesting depth of module calls, until the first training forward
 _started = False
 _module_hooks: list[Any] = []
+_run: Any = None  # the zero-code run, once started
+_opt_hooks: list[Any] = []  # the global optimizer hooks (from torch's import on)
+_boundary: list[Any] = []  # weakref to the optimizer whose step() ends a step (the first to step)
 _warned: set[str] = set()
 
 
@@ -114,6 +129,7 @@ class _TorchWatcher(importlib.abc.MetaPathFinder):
 def _on_torch_imported() -> None:
     if _started or _module_hooks or is_launcher_process():
         return
+    _install_optimizer_hooks()
     from . import pipeline_watch
 
     pipeline_watch.arm()  # pipeline stages built before the run starts are reported when it does
@@ -178,7 +194,7 @@ def _remove_module_hooks() -> None:
 
 def _start(module: Any) -> None:
     """The first top-level training forward of this process: start the run (unless the script did)."""
-    global _started
+    global _started, _run
     _started = True
     _remove_module_hooks()
     from . import get_run, init
@@ -187,52 +203,121 @@ def _start(module: Any) -> None:
 
     if get_run() is not None:
         log.info("fleetscope: the script started its own run; zero-code instrumentation yields to it")
+        _remove_optimizer_hooks()
         return
-    run = init(model_family=os.environ.get(ENV_FAMILY) or None, meta={"instrumented_by": "fleetscope run"})
+    from .mfu import detect_dtype
+
+    dtype, dtype_source = detect_dtype(module)  # inside the first forward: its autocast state, its parameters
+    run = init(model_family=os.environ.get(ENV_FAMILY) or None, dtype=dtype,
+               meta={"instrumented_by": "fleetscope run", "dtype_source": dtype_source})
     if not isinstance(run, Run):
+        _remove_optimizer_hooks()
         return  # disabled, or init failed (it said why)
     run.instrument(model=module)
     # this call's own module pre-hook was registered too late to run: take its transition here
     if not run._finished:
         _forward_pre(run, True)
-    run._hooks.extend(_optimizer_hooks(run))
+    _install_optimizer_hooks()  # (normally there since torch's import)
+    _run = run
+    from .torch_hooks import _NestedBackward
+
+    nested = _NestedBackward.install(_live_run)  # a backward inside the forward (Lightning, manual)
+    if nested is not None:
+        run._hooks.append(nested)
+    run._hooks.extend(_opt_hooks)  # removed at finish
+    _opt_hooks.clear()
 
 
-def _optimizer_hooks(run: Any) -> list[Any]:
-    import weakref
+def _remove_optimizer_hooks() -> None:
+    for h in _opt_hooks:
+        try:
+            h.remove()
+        except Exception:  # noqa: BLE001
+            pass
+    _opt_hooks.clear()
 
+
+def _install_optimizer_hooks() -> None:
+    if _opt_hooks or _run is not None:
+        return
     from torch.optim import optimizer as om
 
-    from .run import get_run
-    from .step_state import DATA, OTHER
-    from .torch_hooks import _optimizer_post, _optimizer_pre
+    _opt_hooks.append(om.register_optimizer_step_pre_hook(_opt_pre))
+    _opt_hooks.append(om.register_optimizer_step_post_hook(_opt_post))
 
-    boundary: list[Any] = []  # weakref to the optimizer whose step() ends a step (the first to step)
 
-    def live() -> bool:
-        return not run._finished and get_run() is run
+def _live_run() -> Any:
+    """The zero-code run while it records (not finished, still the process's run), else None."""
+    run = _run
+    if run is None or run._finished:
+        return None
+    get_run = _get_run
+    if get_run is None:
+        from .run import get_run as get_run_
 
-    def pre(opt: Any, args: Any, kwargs: Any) -> None:
-        try:
-            if not live():
-                return
-            if not boundary:
-                boundary.append(weakref.ref(opt))
-            _optimizer_pre(run)
-        except Exception as e:  # noqa: BLE001
+        get_run = _set_get_run(get_run_)
+    return run if get_run() is run else None
+
+
+_get_run: Any = None  # agent.run.get_run, once imported (the hooks call _live_run on every step)
+
+
+def _set_get_run(f: Any) -> Any:
+    global _get_run
+    _get_run = f
+    return f
+
+
+def _is_boundary(opt: Any) -> bool:
+    """Whether ``opt``'s ``step()`` ends the step: the first optimizer that stepped while the run
+    recorded (again the next one to step if that optimizer was garbage-collected)."""
+    import weakref
+
+    if not _boundary or _boundary[0]() is None:
+        _boundary[:] = [weakref.ref(opt)]
+    return _boundary[0]() is opt
+
+
+def _opt_pre(opt: Any, args: Any, kwargs: Any) -> Any:
+    from .torch_hooks import _optimizer_step_pre
+
+    run = None
+    try:
+        if _run is None:
+            if _started:
+                return None  # the script runs its own run (or init failed): nothing to do
+            # before the first training forward: the run may start inside this step's closure
+            return _optimizer_step_pre(None, _live_run, args, kwargs)
+        run = _live_run()
+        if run is None:
+            return None
+        _is_boundary(opt)
+        return _optimizer_step_pre(run, _live_run, args, kwargs)
+    except Exception as e:  # noqa: BLE001
+        if run is not None:
             run._error("optimizer", e)
+        else:
+            _warn_once("optimizer", e)
+    return None
 
-    def post(opt: Any, args: Any, kwargs: Any) -> None:
-        try:
-            if not live():
-                return
-            if boundary and boundary[0]() is opt:
-                _optimizer_post(run)  # ends the step
-                if run._step is None:
-                    run._begin(True, DATA)  # the next step: data until its first forward
-            elif run._step is not None and not run._stack:
-                run._to(OTHER)
-        except Exception as e:  # noqa: BLE001
+
+def _opt_post(opt: Any, args: Any, kwargs: Any) -> None:
+    run = None
+    try:
+        run = _live_run()
+        if run is None:
+            return
+        from .step_state import DATA, OTHER
+        from .torch_hooks import _optimizer_post
+
+        if _is_boundary(opt):
+            _optimizer_post(run)  # ends the step
+            if run._step is None:
+                run._begin(True, DATA)  # the next step: data until its first forward
+        elif run._step is not None and not run._stack:
+            run._to(OTHER)
+    except Exception as e:  # noqa: BLE001
+        if run is not None:
             run._error("optimizer", e)
-
-    return [om.register_optimizer_step_pre_hook(pre), om.register_optimizer_step_post_hook(post)]
+        else:
+            _warn_once("optimizer", e)

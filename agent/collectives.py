@@ -37,6 +37,7 @@ from typing import Any
 from .collective_marks import coll_begin, coll_done_async, coll_end, ddp_issue, wait_begin, wait_end
 from .collective_stats import K_SYNC_FAST, Call
 from .machine import StepMachine
+from .mfu import MESH_SIZES
 
 __all__ = ["install", "uninstall", "installed", "ddp_allreduce_hook", "WRAPPED", "message_bytes"]
 
@@ -214,6 +215,8 @@ def register_mesh(mesh: Any) -> None:
         names = getattr(mesh, "mesh_dim_names", None)
         for i in range(mesh.ndim):
             dim = str(names[i]) if names else f"mesh_dim_{i}"
+            if len(MESH_SIZES) < _MAX_GROUPS:
+                MESH_SIZES[dim[:48]] = int(mesh.size(i))  # mfu.model_parallel_degree
             pg = mesh.get_group(i)
             name = _group_name(pg)
             if name is not None and len(_mesh_dims) < _MAX_GROUPS:

@@ -36,7 +36,7 @@ from .clock import CpuClock, make_clock
 from .collective_stats import CollectiveStats
 from .config import AgentConfig
 from .memory import NullSampler, make_sampler
-from .mfu import FlopMeter, FlopRates, compile_seen, flop_rates
+from .mfu import FlopMeter, FlopRates, compile_seen, flop_rates, is_compiled, model_parallel_degree
 from .pending import PendingSteps
 from .protocols import Clock, HookHandle, Mark, MemorySampler, MemSample, StepTracer, Transport
 from .step_state import (
@@ -87,6 +87,7 @@ class StepMachine:
         "_tid", "_step", "_stack", "_cur", "_fast", "_durs", "_zeros", "_t0", "_last", "_in_coll",
         "_gap", "_state_names", "_flops_per_step", "_flops_per_token", "_flops_given", "_flop_meter",
         "_flop_watch", "_collectives_installed", "_collectives_tried", "_flop_rates", "_flop_split",
+        "_flop_source", "_flop_mp", "_flop_probe", "_flop_probe_tries", "_flop_info",
         "_seq_hist", "_seq_steps",
     )  # fmt: skip
 
@@ -165,6 +166,11 @@ class StepMachine:
         self._flop_watch = flops_source == "measured" and config.measure_flops
         self._flop_rates: FlopRates | None = None  # model/hardware FLOPs per position, once measured
         self._flop_split: tuple[int | None, int | None] = (None, None)  # (forward, recompute) of the measured step
+        self._flop_source = flops_source
+        self._flop_mp: int | None = None  # model-parallel degree the formula was divided by (None: not yet)
+        self._flop_probe: tuple[Any, Any, Any] | None = None  # a compiled model's first training inputs
+        self._flop_probe_tries = 0  # forwards left to wait for them (_arm_flop_probe)
+        self._flop_info: dict[str, Any] = {}  # what the "flops" event says about the measurement
         self._collectives_installed = False
         self._collectives_tried = not config.collectives
 
@@ -212,13 +218,15 @@ class StepMachine:
         clock.set_main_stream()
         if self._mem_every > 0:
             try:
-                self._mem = make_sampler("cuda" if clock.kind == "cuda" else "cpu")
+                self._mem = make_sampler("cuda" if clock.kind == "cuda" else "cpu", emit=self._memory_event)
             except Exception as e:  # noqa: BLE001
                 self._error("memory", e)
                 self._mem = NullSampler()
             self._mem_interval = int(self._mem.min_interval_ns)
             self._mem_next = -(1 << 62)
         self._ensure_collectives()
+        if self._flop_source == "estimated" and self._flop_mp is None:
+            self._scale_formula_flops()
 
     def _setup_clock(self) -> None:
         try:
@@ -326,6 +334,19 @@ class StepMachine:
         self._event("seq_lens", None, {"bins": {str(k): n for k, n in enumerate(hist) if n}, "steps": self._seq_steps})
         self._seq_steps = 0
 
+    def _memory_event(self, data: dict[str, Any]) -> None:
+        """The rank's memory figures for the run so far (memory.py decides when: rarely, and at finish)."""
+        self._event("memory", None, data)
+
+    def _flush_memory(self) -> None:
+        """At finish: the memory sampler's last ``memory`` event (a final read on CUDA), never raising."""
+        try:
+            fin = getattr(self._mem, "finish", None)
+            if fin is not None:
+                fin()
+        except Exception as e:  # noqa: BLE001
+            self._error("memory", e)
+
     def _add_counts(self, st: StepData, tokens: Tokens, padded: Count, samples: Count) -> None:
         """Add tokens (an int, or a mapping per modality), padded tokens and samples to ``st``."""
         if tokens is not None:
@@ -368,7 +389,7 @@ class StepMachine:
         self._stack = []
         self._cur = OTHER
         if self._flop_meter is not None and self._flop_meter.active:
-            self._flop_meter.stop()
+            self._flop_meter.cancel()
             self._flop_meter = None  # measure again on the next step
         # collectives issued in the dropped step stay visible, attributed to the next step
         self._gap = [*st.pre_calls, *st.calls, *self._gap]
@@ -383,14 +404,26 @@ class StepMachine:
                 self._flops_start()
         elif meter.active and state == OPTIMIZER:
             self._flops_stop()
+        elif state == FORWARD and meter.deferred:
+            meter.forwards += 1  # another micro-batch of the measured step
 
     def _flops_start(self) -> None:
         if "torch" not in sys.modules:  # nothing to count, and importing torch here would cost seconds
             self._flop_watch = False
             return
         if compile_seen():  # FlopCounterMode would make Dynamo skip the compiled frames (mfu.py)
-            self._flop_watch = False
-            self.counters["flops_not_measured_compiled"] += 1
+            probe = self._flop_probe
+            if probe is None and self._flop_probe_tries > 0:
+                self._flop_probe_tries -= 1  # the model's inputs are captured at its next forward
+                return
+            if probe is None:
+                self._flop_watch = False
+                self.counters["flops_not_measured_compiled"] += 1
+                return
+            # measured once, on the uncompiled module and fake tensors, when the step's forwards are done
+            self._flop_probe = None
+            self._flop_meter = FlopMeter()
+            self._flop_meter.defer(probe)
             return
         meter = self._flop_meter = FlopMeter()
         try:
@@ -408,11 +441,61 @@ class StepMachine:
         except Exception as e:  # noqa: BLE001
             self._error("flops", e)
             return
+        if meter is not None and meter.refused:
+            self.counters["flops_not_measured_compiled"] += 1
+            self._flop_info = {"not_measured": meter.refused}
         if st is not None and flops:
             st.flops = flops  # hardware: everything counted
             st.flags |= FLAG_FLOPS_MEASURED
             if meter is not None:
                 self._flop_split = (meter.forward, meter.recompute)
+                self._flop_info = meter.info()
+
+    def _arm_flop_probe(self, model: Any) -> None:
+        """A compiled model is not measured under FlopCounterMode (mfu.py): capture the inputs of its
+        next training forward instead (a one-shot forward pre-hook, removed once it fired), which
+        ``mfu.measure_uncompiled`` replays on the eager module and fake tensors."""
+        try:
+            if self._flop_watch and model is not None and (compile_seen() or is_compiled(model)):
+                self._arm_probe_hook(model)
+        except Exception as e:  # noqa: BLE001
+            self._error("flops", e)
+
+    def _arm_probe_hook(self, model: Any) -> None:
+        import torch
+
+        handles: list[Any] = []
+
+        def grab(module: Any, args: Any, kwargs: Any = None) -> None:
+            try:
+                if module.training and torch.is_grad_enabled() and handles:
+                    handles.pop().remove()
+                    if self._flop_watch:
+                        self._flop_probe = (module, args, kwargs or {})
+            except Exception as e:  # noqa: BLE001
+                self._error("flops", e)
+
+        try:
+            h = model.register_forward_pre_hook(grab, prepend=True, with_kwargs=True)
+        except TypeError:  # torch without with_kwargs/prepend
+            h = model.register_forward_pre_hook(grab)
+        handles.append(h)
+        self._hooks.append(h)
+        self._flop_probe_tries = 16
+
+    def _scale_formula_flops(self) -> None:
+        """The formula's FLOPs are the whole model's: a rank of a tensor/pipeline/context-parallel
+        group does 1/degree of them. The degree is ``mp_size`` when given (``_flop_mp``), else read
+        from the DeviceMesh process groups once, at the first step."""
+        try:
+            mp = model_parallel_degree() or 1
+        except Exception as e:  # noqa: BLE001
+            self._error("flops", e)
+            mp = 1
+        self._flop_mp = mp
+        if mp > 1 and self._flops_per_token is not None:
+            self._flops_per_token /= mp
+            self._event("flops", None, {"source": "formula", "mp_degree": mp, "flops_per_token": self._flops_per_token})
 
     def _record_measured_flops(self, st: StepData) -> tuple[float, float]:
         """(model, hardware) FLOPs of the measured step; the rates every later step is scaled by
@@ -422,5 +505,6 @@ class StepMachine:
         rates = self._flop_rates = flop_rates(total, rec, st.tokens, st.padded)
         model, hw = rates.step(st.tokens, st.padded)
         self._event("flops", st.index, {"flops": model, "hw_flops": hw, "forward_flops": fwd, "recompute_flops": rec,
-                                        "tokens": st.tokens, "padded_tokens": st.padded, "source": "measured"})
+                                        "tokens": st.tokens, "padded_tokens": st.padded, "source": "measured",
+                                        **self._flop_info})
         return model, hw

@@ -16,6 +16,7 @@ its hardware FLOPs its padded ones.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 __all__ = [
@@ -30,6 +31,12 @@ __all__ = [
     "FlopMeter",
     "FlopRates",
     "flop_rates",
+    "dtype_name",
+    "detect_dtype",
+    "env_peak_flops",
+    "model_parallel_degree",
+    "measure_uncompiled",
+    "ENV_PEAK_FLOPS",
 ]
 
 #: Dense (no sparsity) peak FLOP/s per device for bf16/fp16 training, from the vendors' datasheets.
@@ -51,6 +58,133 @@ PEAK_FLOPS: dict[str, float] = {
 }
 
 _TABLE_DTYPES = frozenset({"bf16", "bfloat16", "fp16", "float16", "half", "torch.bfloat16", "torch.float16"})
+
+
+ENV_PEAK_FLOPS = "FLEETSCOPE_PEAK_FLOPS"
+"""Peak dense FLOP/s per device for runs that cannot pass ``peak_flops=`` (zero-code runs, devices the
+table lacks); ``init(peak_flops=...)`` wins over it, it wins over the table."""
+
+_env_warned: set[str] = set()
+
+
+def env_peak_flops(environ: Any = None) -> float | None:
+    """``FLEETSCOPE_PEAK_FLOPS`` as a positive number (``"989e12"``); None when unset or unusable
+    (reported once, ignored: a typo must not kill the job)."""
+    import logging
+    import os
+
+    raw = (os.environ if environ is None else environ).get(ENV_PEAK_FLOPS)
+    if raw in (None, ""):
+        return None
+    try:
+        v = float(raw)
+        if not v > 0 or v == float("inf"):
+            raise ValueError
+        return v
+    except ValueError:
+        if raw not in _env_warned:
+            _env_warned.add(raw)
+            logging.getLogger(__name__).warning("fleetscope: ignoring %s=%r (not a positive number)", ENV_PEAK_FLOPS, raw)
+        return None
+
+
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
+                "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "float8_e4m3fnuz": "fp8", "float8_e5m2fnuz": "fp8"}
+
+
+def dtype_name(dtype: Any) -> str | None:
+    """Short name of a torch dtype (``torch.bfloat16`` -> ``"bf16"``); None for non-float dtypes."""
+    if dtype is None:
+        return None
+    return _DTYPE_NAMES.get(str(dtype).replace("torch.", ""))
+
+
+def detect_dtype(model: Any = None) -> tuple[str | None, str]:
+    """(dtype the step computes in, how it was found): the active autocast dtype of the model's device
+    (``"autocast"``), else the floating dtype holding most of the model's parameter elements
+    (``"parameters"``), else torch's default dtype (``"default"``); ``(None, "unknown")`` without torch.
+    Never raises."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None, "unknown"
+    try:
+        by_dtype: dict[Any, int] = {}
+        dev = "cpu"
+        if model is not None and hasattr(model, "parameters"):
+            for p in model.parameters():
+                local = getattr(p, "_local_tensor", p)  # a DTensor computes in its local shard's dtype
+                if local.is_floating_point():
+                    by_dtype[local.dtype] = by_dtype.get(local.dtype, 0) + int(local.numel())
+                    dev = local.device.type
+        for d in dict.fromkeys((dev, "cuda", "cpu")):
+            if _autocast_on(torch, d):
+                name = dtype_name(_autocast_dtype(torch, d))
+                if name:
+                    return name, "autocast"
+        if by_dtype:
+            name = dtype_name(max(by_dtype.items(), key=lambda kv: kv[1])[0])
+            if name:
+                return name, "parameters"
+        return dtype_name(torch.get_default_dtype()), "default"
+    except Exception:  # noqa: BLE001 - detection is best effort
+        return None, "unknown"
+
+
+def _autocast_on(torch: Any, device: str) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(device))
+    except TypeError:  # torch < 2.4: no device argument
+        if device == "cuda":
+            return bool(torch.is_autocast_enabled())
+        fn = getattr(torch, "is_autocast_cpu_enabled", None)
+        return bool(fn()) if device == "cpu" and fn is not None else False
+    except Exception:  # noqa: BLE001 - a device type this torch does not know
+        return False
+
+
+def _autocast_dtype(torch: Any, device: str) -> Any:
+    fn = getattr(torch, "get_autocast_dtype", None)
+    if fn is not None:
+        return fn(device)
+    legacy = {"cuda": "get_autocast_gpu_dtype", "cpu": "get_autocast_cpu_dtype"}.get(device)
+    return getattr(torch, legacy)() if legacy and hasattr(torch, legacy) else None
+
+
+#: DeviceMesh dimension names (prefixes) that split one replica's model work across ranks: tensor,
+#: pipeline, context/sequence parallelism. Data-parallel dims (dp, fsdp, ddp, hsdp, replicate,
+#: shard) do not.
+MP_DIM_PREFIXES = ("tp", "pp", "cp", "sp", "mp", "tensor", "pipe", "context", "seq", "model")
+MESH_SIZES: dict[str, int] = {}
+"""DeviceMesh dim name -> size, of the meshes made while the agent records (collectives.register_mesh)."""
+
+
+def model_parallel_degree() -> int | None:
+    """Product of the sizes of this process's DeviceMesh dimensions that split a replica's model work
+    (``MP_DIM_PREFIXES``): the meshes made after ``init`` (``MESH_SIZES``), and the
+    process groups of earlier ones (``group_desc`` ``mesh_<dim>``; a 1-D mesh over the whole world
+    reuses the default group and is not seen: pass ``mp_size``); None without any such dim."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is None:
+        return None
+    try:
+        if not c10d.is_initialized():
+            return None
+        # meshes made while the agent ran (collectives.register_mesh), then the groups meshes made
+        # before it (a mesh dim spanning the whole world reuses the default group: only the former)
+        sizes: dict[str, int] = {d: n for d, n in MESH_SIZES.items() if d.lower().startswith(MP_DIM_PREFIXES)}
+        for pg in list(getattr(c10d._world, "pg_map", {})):
+            desc = getattr(pg, "group_desc", None)
+            dim = desc[5:] if isinstance(desc, str) and desc.startswith("mesh_") else None
+            if dim and dim.lower().startswith(MP_DIM_PREFIXES):
+                sizes.setdefault(dim, int(pg.size()))
+        if not sizes:
+            return None
+        out = 1
+        for n in sizes.values():
+            out *= max(n, 1)
+        return out
+    except Exception:  # noqa: BLE001 - best effort
+        return None
 
 
 def peak_flops(device_type: str | None, dtype: str | None = "bf16") -> float | None:
@@ -95,6 +229,12 @@ class FlopMeter:
         self.forward: int | None = None
         self.backward: int | None = None
         self.recompute: int | None = None
+        self.local: bool | None = None  # DTensor ops counted at their local shards (None: unknown yet)
+        self.dtensor_ops = 0  # DTensor ops seen (each counted by the local ops it ran)
+        self.deferred = False  # a compiled model: measured at stop() by measure_uncompiled
+        self.forwards = 0  # forwards (micro-batches) of the deferred step
+        self.refused: str | None = None  # why a deferred measurement did not happen
+        self._probe: tuple[Any, Any, Any] | None = None
 
     @property
     def active(self) -> bool:
@@ -104,18 +244,55 @@ class FlopMeter:
         self._mode = _split_counter_class()(display=False)
         self._mode.__enter__()
 
+    def defer(self, probe: tuple[Any, Any, Any]) -> None:
+        """Measure a compiled model at ``stop``: ``probe`` = (module, args, kwargs) of the step's first
+        forward, replayed by :func:`measure_uncompiled` and multiplied by the step's forwards."""
+        self._probe = probe
+        self.deferred = True
+        self.forwards = 1
+        self._mode = _DEFERRED
+
+    def cancel(self) -> None:
+        """Stop without measuring (the step was dropped)."""
+        if self._mode is _DEFERRED:
+            self._mode = self._probe = None
+        elif self._mode is not None:
+            self.stop()
+
+    def info(self) -> dict[str, Any]:
+        """What the "flops" event says about how the count was made."""
+        if self.deferred:
+            return {"method": "uncompiled_fake", "forwards": self.forwards, "scope": "local"}
+        return {"method": "flop_counter", "scope": "local" if self.local else "global",
+                "dtensor_ops": self.dtensor_ops}
+
     def stop(self) -> int | None:
         mode, self._mode = self._mode, None
         if mode is None:
             return self.flops
+        if mode is _DEFERRED:
+            probe, self._probe = self._probe, None
+            got = measure_uncompiled(*probe) if probe is not None else "no inputs"
+            if isinstance(got, str):
+                self.refused = got
+                return None
+            n = max(self.forwards, 1)
+            total, fwd, bwd, rec = got
+            self.flops = total * n
+            if fwd is not None and bwd is not None and rec is not None:
+                self.forward, self.backward, self.recompute = fwd * n, bwd * n, rec * n
+            return self.flops
         mode.__exit__(None, None, None)
         self.flops = int(mode.get_total_flops())
+        self.local = bool(getattr(mode, "local", False))
+        self.dtensor_ops = int(getattr(mode, "dtensor_ops", 0))
         if getattr(mode, "split_ok", False):
             self.forward, self.backward, self.recompute = int(mode.fwd), int(mode.bwd), int(mode.rec)
         return self.flops
 
 
 _split_cls: Any = None
+_DEFERRED = object()
 
 
 def _split_counter_class() -> Any:
@@ -129,12 +306,46 @@ def _split_counter_class() -> Any:
 
     task_id: Any = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside autograd's backward
     grad_on = torch.is_grad_enabled
+    inner_mode = _local_dispatch_mode()
 
     class SplitFlopCounterMode(FlopCounterMode):  # type: ignore[misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.fwd = self.bwd = self.rec = 0
             self.split_ok = task_id is not None
+            self.local = False
+            self.dtensor_ops = 0
+            self.count_fake = False  # FakeTensor ops run nowhere: counted only when measuring on fakes
+
+        def __enter__(self) -> Any:
+            # torch >= 2.4: FlopCounterMode drives an inner dispatch mode; ours lets DTensor ops
+            # through to their local shards (_local_dispatch_mode). The same steps as torch's own
+            # __enter__; if its internals differ, torch's (global counts) is used.
+            mode = None
+            if inner_mode is not None and hasattr(self, "mod_tracker") and hasattr(self, "mode"):
+                try:
+                    mode = inner_mode(self)
+                except Exception:  # noqa: BLE001 - another signature: torch's own mode
+                    mode = None
+            if mode is None:
+                return super().__enter__()
+            self.flop_counts.clear()
+            self.mod_tracker.__enter__()
+            self.mode = mode
+            mode.__enter__()
+            self.local = True
+            return self
+
+        if inner_mode is None and hasattr(FlopCounterMode, "__torch_dispatch__"):
+            # torch < 2.4: FlopCounterMode is the dispatch mode itself
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                if _has_dtensor(types):
+                    self.dtensor_ops += 1
+                    self.local = True
+                    return NotImplemented
+                if _has_fake(types) and not self.count_fake:
+                    return func(*args, **(kwargs or {}))
+                return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
 
         def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
             if not self.split_ok:
@@ -161,6 +372,48 @@ def _split_counter_class() -> Any:
 
     _split_cls = SplitFlopCounterMode
     return _split_cls
+
+
+def _has_fake(types: Any) -> bool:
+    """Whether a dispatch involves a FakeTensor (shape propagation, e.g. DTensor's sharding rules)."""
+    mod = sys.modules.get("torch._subclasses.fake_tensor")
+    cls = getattr(mod, "FakeTensor", None) if mod is not None else None
+    return cls is not None and any(isinstance(t, type) and issubclass(t, cls) for t in types)
+
+
+def _has_dtensor(types: Any) -> bool:
+    """Whether a dispatch involves a DTensor (its module is imported only by jobs that use it)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    if cls is None:
+        return False
+    return any(isinstance(t, type) and issubclass(t, cls) for t in types)
+
+
+def _local_dispatch_mode() -> Any:
+    """torch's inner FlopCounterMode dispatch mode, changed to count each rank's LOCAL work under
+    tensor parallelism: an op on DTensors returns ``NotImplemented`` from the mode, so DTensor's own
+    dispatch runs it — on the local shards, with any redistribution it needs — and those local ops
+    come back through the mode and are counted with their local shapes. (The stock mode counts the
+    DTensor op at its global shapes on every rank: ×TP.) None where torch has no such inner mode."""
+    try:
+        from torch.utils.flop_counter import _FlopCounterMode
+    except ImportError:
+        return None
+
+    class LocalFlopCounterMode(_FlopCounterMode):  # type: ignore[misc]
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if _has_dtensor(types):
+                try:
+                    self.counter.dtensor_ops += 1  # type: ignore[attr-defined]
+                except Exception:  # noqa: BLE001
+                    pass
+                return NotImplemented
+            if _has_fake(types) and not getattr(self.counter, "count_fake", False):
+                return func(*args, **(kwargs or {}))  # DTensor's sharding propagation: runs on no device
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return LocalFlopCounterMode
 
 
 class FlopRates:
@@ -194,6 +447,82 @@ def flop_rates(total: float, recompute: float | None, tokens: int | None, padded
     return FlopRates(None, None, model, total)
 
 
+# --- a compiled model's FLOPs: its uncompiled module, once, on fake tensors ------------------------
+def _unwrap(model: Any) -> Any:
+    """The eager module under ``torch.compile`` and DDP wrappers."""
+    for _ in range(8):
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and type(model).__name__ == "DistributedDataParallel":
+            inner = getattr(model, "module", None)
+        if inner is None:
+            return model
+        model = inner
+    return model
+
+
+def _refuse_reason(module: Any) -> str | None:
+    """Why the module cannot be replayed on fake tensors without side effects (None: it can)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    dt = getattr(mod, "DTensor", None) if mod is not None else None
+    for m in module.modules():
+        name = type(m).__name__
+        if "FSDP" in name or "FullyShard" in name:
+            return "fsdp"  # its hooks all-gather: collectives must not run on fake tensors
+    if dt is not None and any(isinstance(p, dt) for p in module.parameters()):
+        return "dtensor"
+    return None
+
+
+def measure_uncompiled(model: Any, args: Any, kwargs: Any) -> tuple[int, int | None, int | None, int | None] | str:
+    """FLOPs of one forward and backward of a compiled ``model``'s eager module on these inputs,
+    counted by the FLOP meter (:func:`_split_counter_class`) under ``FakeTensorMode``: nothing runs on
+    the device, no parameter's ``.grad``, buffer, optimizer or compiled graph is touched (the backward
+    is ``torch.autograd.grad`` of the outputs' sum with respect to the parameters; ``torch.compile``
+    stays out of it: ``set_stance("force_eager")`` / ``torch._dynamo.disable``). Returns (total,
+    forward, backward, recompute), or why it could not be measured."""
+    import torch
+
+    module = _unwrap(model)
+    if not isinstance(module, torch.nn.Module):
+        return "not a module"
+    why = _refuse_reason(module)
+    if why is not None:
+        return why
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    def body() -> tuple[int, int | None, int | None, int | None] | str:
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        fargs, fkwargs = tree_map(lambda t: fake.from_tensor(t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        params = [p for p in module.parameters() if p.requires_grad]
+        counter = _split_counter_class()(display=False)
+        counter.count_fake = True
+        with fake, counter:
+            out = module.forward(*fargs, **(fkwargs or {}))
+            flat = tree_flatten(out)[0]
+            if len(flat) == 1 and not isinstance(flat[0], torch.Tensor) and hasattr(flat[0], "values"):
+                flat = tree_flatten(list(flat[0].values()))[0]  # a dict-like output pytree does not know
+            leaves = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+            if leaves and params:
+                loss = leaves[0].sum()
+                for t in leaves[1:]:
+                    loss = loss + t.sum()
+                torch.autograd.grad(loss, params, allow_unused=True)
+        total = int(counter.get_total_flops())
+        if getattr(counter, "split_ok", False):
+            return total, int(counter.fwd), int(counter.bwd), int(counter.rec)
+        return total, None, None, None
+
+    try:
+        stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+        if stance is not None:
+            with stance("force_eager"):
+                return body()
+        return torch._dynamo.disable(body)()  # type: ignore[no-any-return]
+    except Exception as e:  # noqa: BLE001 - e.g. data-dependent shapes (.item(), nonzero) on fake tensors
+        return f"replay failed: {type(e).__name__}"
+
+
 # --- torch.compile and the FLOP measurement -------------------------------------------------------
 # FlopCounterMode is a TorchDispatchMode; Dynamo refuses to compile a frame entered while one is
 # active ("non-infra torch dispatch mode present") and does not try that frame again, so measuring
@@ -223,7 +552,6 @@ def watch_torch_compile() -> None:
     """Wrap ``torch.compile`` so that a call marks the process as compiling (idempotent; the wrapper
     only sets a flag and calls through)."""
     global _orig_compile
-    import sys
 
     torch = sys.modules.get("torch")
     fn = getattr(torch, "compile", None) if torch is not None else None

@@ -94,7 +94,7 @@ def _no_flops(run: Any) -> None:
     run._flop_watch = False
     if meter is not None and meter.active:
         try:
-            meter.stop()
+            meter.cancel()
         except Exception as e:  # noqa: BLE001
             log.debug("fleetscope: FLOP meter stop failed (%r)", e)
         run._flop_meter = None

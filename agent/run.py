@@ -141,7 +141,9 @@ class Run(StepMachine):
         try:
             from .torch_hooks import instrument
 
-            return instrument(self, model=model, optimizer=optimizer, dataloader=dataloader, counts=counts)
+            loader = instrument(self, model=model, optimizer=optimizer, dataloader=dataloader, counts=counts)
+            self._arm_flop_probe(model)  # a compiled model's FLOPs: from its inputs, once (machine.py)
+            return loader
         except Exception as e:  # noqa: BLE001
             self._error("instrument", e)
             return dataloader
@@ -180,11 +182,20 @@ class Run(StepMachine):
                 self._discard()
             drain(self, deadline=time.monotonic() + min(1.0, budget / 2))
             self.counters["steps_dropped_unresolved"] += self._pending.clear()  # never resolved: not waited on
-            if self._gap:
+            if self._gap and self._nsteps:
+                # after the last step (HF Trainer's end-of-training gathers): not a step of their own
+                gap, self._gap = self._gap, []
+                ops: dict[str, int] = {}
+                for c in gap:
+                    ops[str(c[0])] = ops.get(str(c[0]), 0) + 1
+                self.counters["collectives_after_last_step"] = self.counters.get("collectives_after_last_step", 0) + len(gap)
+                self._event("collectives_after_last_step", self._next_index - 1, {"calls": len(gap), "ops": ops})
+            elif self._gap:
                 st = StepData(self._next_index, False)
                 st.pre_calls, self._gap = self._gap, []
                 self._colls.emit(st, self._clock, None)
             self._flush_seq_hist()
+            self._flush_memory()
         except Exception as e:  # noqa: BLE001
             self._error("finish", e)
         self._unhook()

@@ -15,11 +15,15 @@ No change inside the training loop. What each hook marks (``run.py`` holds the s
   breaks in-place ops on the module's outputs and adds autograd nodes), it works the same under DDP,
   FSDP2, activation checkpointing and gradient accumulation, and DDP's end-of-backward wait happens
   inside it. It therefore also holds the loss computation, ``zero_grad`` and gradient clipping.
-* optimizer: ``register_step_pre_hook``/``register_step_post_hook``; the post hook ends the step.
+* optimizer: ``register_step_pre_hook``/``register_step_post_hook``; the post hook ends the step. A
+  closure passed to ``step(closure)`` (Lightning's automatic optimization) runs the step's forward and
+  backward inside ``step()``: the pre-hook wraps it, and the optimizer phase (and the end of FLOP
+  counting) begins when the closure returns, so it times the optimizer's own update only.
 * DDP: the gradient all-reduce runs in the C++ reducer; a comm hook (``collectives.ddp_allreduce_hook``,
   the default all-reduce plus timing) makes the buckets visible. Skipped, with a log line, when the
   model already has a comm hook (the user's own, or DDP's mixed-precision hook).
-* FLOPs: measured once by ``FlopCounterMode`` from the first step's forward to its optimizer step.
+* FLOPs: measured once by ``FlopCounterMode`` from the first step's forward to its optimizer update
+  (every micro-batch of the step, a closure's included).
 """
 
 from __future__ import annotations
@@ -75,6 +79,111 @@ def _forward_post(run: StepMachine) -> None:
 def _optimizer_pre(run: StepMachine) -> None:
     if run._step is not None and not run._stack:
         run._to(OPTIMIZER)
+
+
+class _NestedBackward:
+    """``torch.autograd.backward`` (what ``Tensor.backward`` calls), wrapped for a training step that
+    runs *inside* the top-level forward (Lightning's manual optimization: ``manual_backward`` and
+    ``opt.step()`` in ``training_step``, within the DDP wrapper's forward). A backward entered while
+    the step is in ``forward`` (and nothing nested) is pushed as ``backward`` and popped when it
+    returns; every other backward (the usual one, after forward) passes straight through, unmarked.
+    Installed by the zero-code launcher only (auto.py); ``remove`` puts the original back."""
+
+    __slots__ = ("_orig", "_run_of", "_get_ident")
+
+    def __init__(self, orig: Callable[..., Any], run_of: Callable[[], StepMachine | None]) -> None:
+        import threading
+
+        self._orig = orig
+        self._run_of = run_of
+        self._get_ident = threading.get_ident
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        run = None
+        pushed = False
+        try:
+            run = self._run_of()
+            if (run is not None and run._step is not None and run._cur == FORWARD and not run._stack
+                    and self._get_ident() == run._tid):
+                run._push(BACKWARD)
+                pushed = True
+        except Exception as e:  # noqa: BLE001
+            if run is not None:
+                run._error("backward", e)
+        try:
+            return self._orig(*args, **kwargs)
+        finally:
+            if pushed:
+                try:
+                    if run is not None and run._step is not None and run._cur == BACKWARD and run._stack:
+                        run._pop()
+                except Exception as e:  # noqa: BLE001
+                    if run is not None:
+                        run._error("backward", e)
+
+    @staticmethod
+    def install(run_of: Callable[[], StepMachine | None]) -> _NestedBackward | None:
+        import torch.autograd
+
+        cur = torch.autograd.backward
+        if isinstance(cur, _NestedBackward):
+            return None
+        wrapper = _NestedBackward(cur, run_of)
+        torch.autograd.backward = wrapper  # type: ignore[assignment]
+        return wrapper
+
+    def remove(self) -> None:
+        import torch.autograd
+
+        if torch.autograd.backward is self:
+            torch.autograd.backward = self._orig  # type: ignore[assignment]
+
+
+class _TimedClosure:
+    """The closure handed to ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS):
+    it runs the step's forward and backward, so the optimizer phase starts when it *returns*, not
+    when ``step()`` is entered. ``run_of()`` is the run to mark (None: none, or not ours)."""
+
+    __slots__ = ("_closure", "_run_of")
+
+    def __init__(self, closure: Callable[[], Any], run_of: Callable[[], StepMachine | None]) -> None:
+        self._closure = closure
+        self._run_of = run_of
+
+    def __call__(self) -> Any:
+        out = self._closure()
+        run = None
+        try:
+            run = self._run_of()
+            if run is not None and not run._finished:
+                _optimizer_pre(run)  # the optimizer's own update starts now
+        except Exception as e:  # noqa: BLE001
+            if run is not None:
+                run._error("optimizer", e)
+        return out
+
+
+def _optimizer_step_pre(
+    run: StepMachine | None, run_of: Callable[[], StepMachine | None], args: Any, kwargs: Any
+) -> tuple[Any, Any] | None:
+    """An optimizer pre-hook's transition (``args`` includes the optimizer itself, as torch passes
+    them). Without a closure the optimizer phase begins here; with one, the closure is wrapped so
+    that it begins when the closure returns (the closure's forward and backward are the step's own,
+    and the FLOP meter keeps counting through them). Returns the new ``(args, kwargs)`` or None."""
+    closure = kwargs.get("closure") if kwargs else None
+    pos = closure is None and len(args) > 1
+    if pos:
+        closure = args[1]
+    if isinstance(closure, _TimedClosure):
+        return None  # another hook wrapped it already: the phase begins when it returns
+    if closure is None or not callable(closure):
+        if run is not None:
+            _optimizer_pre(run)
+        return None
+    timed = _TimedClosure(closure, run_of)
+    if pos:
+        return (args[0], timed, *args[2:]), kwargs
+    return args, {**kwargs, "closure": timed}
 
 
 def _optimizer_post(run: StepMachine) -> None:
@@ -267,12 +376,16 @@ def _maybe_ddp_hook(model: Any) -> None:
 
 
 def _instrument_optimizer(run: StepMachine, optimizer: Any) -> list[Any]:
-    def pre(opt: Any, args: Any, kwargs: Any) -> None:
+    def run_of() -> StepMachine:
+        return run
+
+    def pre(opt: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         try:
             if not run._finished:
-                _optimizer_pre(run)
+                return _optimizer_step_pre(run, run_of, args, kwargs)
         except Exception as e:  # noqa: BLE001
             run._error("optimizer", e)
+        return None
 
     def post(opt: Any, args: Any, kwargs: Any) -> None:
         try:

@@ -17,6 +17,9 @@ per check. Checks:
 2. ``memory``: the same run's ``mem_allocated/reserved/peak_bytes`` — allocated and reserved equal the
    allocator's counters read right after each step, the per-step peak is within 10 % of
    ``torch.cuda.max_memory_allocated`` over one identical reference step.
+   ``memory_not_reset``: a 256 MiB spike freed before a run still shows in the job's
+   ``torch.cuda.max_memory_allocated()`` after it; the agent never calls ``reset_peak_memory_stats``
+   (spied); every step's ``mem_peak_bytes`` is that high-water mark; the ``memory`` event arrives.
 3. ``mfu``: a step of K bf16 N×N matmuls (2·N³ FLOPs each): the FLOPs the agent measures
    (FlopCounterMode, first step) equal K·2·N³, and its FLOP/s (flops / step_s) is within 10 % of
    flops over torch's CUDA-event time of the matmuls; MFU against the device's peak is reported.
@@ -435,6 +438,63 @@ def check_memory(ctx: Context) -> dict[str, Any]:
     return detail
 
 
+def check_memory_not_reset(ctx: Context) -> dict[str, Any]:
+    """2b: the job's own peak counter is the job's: a spike allocated before the run still shows in
+    ``torch.cuda.max_memory_allocated()`` after it, the agent never calls ``reset_peak_memory_stats``,
+    and its per-step peak is that same high-water mark; the ranks' ``memory`` event arrives."""
+    torch = ctx.torch
+    calls: list[str] = []
+    patched: list[tuple[Any, str, Any]] = []
+    for mod in (torch.cuda, getattr(torch.cuda, "memory", None)):
+        for fn in ("reset_peak_memory_stats", "reset_max_memory_allocated", "reset_accumulated_memory_stats"):
+            real = getattr(mod, fn, None) if mod is not None else None
+            if real is None:
+                continue
+
+            def spy(*a: Any, _real: Any = real, _fn: str = fn, **k: Any) -> Any:
+                calls.append(_fn)
+                return _real(*a, **k)
+
+            patched.append((mod, fn, real))
+            setattr(mod, fn, spy)
+    before = None
+    try:
+        if ctx.cuda:
+            spike = torch.empty(256 << 20, dtype=torch.uint8, device=ctx.device)  # 256 MiB, freed at once
+            del spike
+            before = int(torch.cuda.max_memory_allocated(ctx.device))
+        run = ctx.init("memory-not-reset")
+        w = torch.randn(256, 256, device=ctx.device)
+        for _ in range(8):
+            with run.step():
+                with run.phase("forward"):
+                    (w @ w).sum()
+        after = int(torch.cuda.max_memory_allocated(ctx.device)) if ctx.cuda else None
+        got = ctx.finish(run)
+    finally:
+        for mod, fn, real in patched:
+            setattr(mod, fn, real)
+    need(not calls, f"the agent reset the job's memory counters: {calls}")
+    mem_events = [e for e in got["events"] if e.get("kind") == "memory"]
+    need(mem_events, "no memory event received")
+    last = mem_events[-1]["data"]
+    detail: dict[str, Any] = {"memory_event": last, "reset_calls": len(calls)}
+    if not ctx.cuda:
+        need(last.get("source") == "rss", f"memory event source {last.get('source')!r} on CPU")
+        detail["summary"] = f"plumbing ok on cpu: no reset call, memory event {last}"
+        return detail
+    assert before is not None and after is not None
+    peaks = [r.get("mem_peak_bytes") for r in got["steps"]]
+    detail.update({"max_memory_allocated_before": before, "max_memory_allocated_after": after, "step_peaks": peaks})
+    need(after >= before >= 256 << 20, f"max_memory_allocated went from {before} to {after}: reset during the run")
+    need(all(p == after for p in peaks), f"per-step peaks {peaks} are not the job's high-water mark {after}")
+    need(last.get("source") == "cuda" and last.get("peak_allocated_bytes") == after and last.get("peak_exact") is False,
+         f"memory event {last} (the run's peak is the pre-run spike: not exact)")
+    detail["summary"] = (f"max_memory_allocated {before / 2**20:.0f} MiB kept through the run, 0 reset calls, "
+                         "per-step peak = the job's high-water mark")
+    return detail
+
+
 def check_mfu(ctx: Context) -> dict[str, Any]:
     """3: FLOPs of K bf16 N×N matmuls measured by the agent, FLOP/s against torch's timing."""
     torch = ctx.torch
@@ -618,6 +678,7 @@ def _free_port() -> int:
 CHECKS: list[tuple[str, Callable[[Context], Any]]] = [
     ("cuda_step_timing", check_step_timing),
     ("memory", check_memory),
+    ("memory_not_reset", check_memory_not_reset),
     ("mfu", check_mfu),
     ("nccl_collectives", check_collectives),
     ("compile_cudagraphs", check_compile),

@@ -308,21 +308,29 @@ def collectives_figure(rows: Sequence[dict[str, Any]]) -> Fig:
 
 @guarded
 def memory_figure(series: dict[str, Any]) -> Fig:
-    """Peak allocated and reserved device memory over steps (GB), allocator retries marked."""
+    """Peak allocated and reserved device memory over steps (GB), allocator retries marked; for a CPU run
+    (``series["mem_source"] == "rss"``) the process's peak resident set, labelled as such."""
     peak, res = series.get("mem_peak_bytes"), series.get("mem_reserved_bytes")
+    rss = series.get("mem_source") == "rss"
     if peak is None:
-        return empty_figure("No memory samples for this run (the agent records them on GPU).")
-    data = [{"type": "scatter", "x": _arr(np.asarray(peak.x)), "y": _f(peak.y, 1e-9), "name": "peak allocated (max over ranks)",
+        return empty_figure("No memory samples for this run: on CPU the agent records the process's RSS, on GPU "
+                            "the CUDA caching allocator's counters (memory_every_steps=0 turns them off)."
+                            if not rss else "No memory samples for this run (RSS of the CPU process: none reported).")
+    title = "Memory: RSS (CPU process)" if rss else "Memory: CUDA caching allocator"
+    name = "peak RSS (max over ranks)" if rss else "peak allocated (max over ranks)"
+    note = ("per step: the high-water mark at its end (the step's own peak when it rose in the step, else an "
+            "upper bound)" + (f" · {aggregation_note(peak.factor)}" if aggregation_note(peak.factor) else ""))
+    data = [{"type": "scatter", "x": _arr(np.asarray(peak.x)), "y": _f(peak.y, 1e-9), "name": name,
              "mode": "lines", "line": {"color": "#0072B2", "width": 1.2}, "hovertemplate": "%{y:.2f} GB"}]
-    if res is not None and len(res.x):
+    if res is not None and len(res.x) and not rss:
         data.append({"type": "scatter", "x": _arr(np.asarray(res.x)), "y": _f(res.y, 1e-9), "name": "reserved (max over ranks)",
                      "mode": "lines", "line": {"color": "#9A9A9A", "width": 1.2, "dash": "dash"}, "hovertemplate": "%{y:.2f} GB"})
     retry = np.asarray(series.get("alloc_retry_steps", []))
     if retry.size:
         data.append({"type": "scatter", "x": _arr(retry), "y": _f(np.full(retry.size, float(np.nanmax(peak.y)) / 1e9)),
                      "mode": "markers", "name": "allocator retries", "marker": {"symbol": "x", "color": "#D55E00", "size": 8}})
-    return {"data": data, "layout": _layout("Memory", height=260, note=aggregation_note(peak.factor), x=_axis(title="step"),
-                                            y=_axis(title="memory (GB)", rangemode="tozero"))}
+    return {"data": data, "layout": _layout(title, height=260, note=note, x=_axis(title="step"),
+                                            y=_axis(title="RSS (GB)" if rss else "memory (GB)", rangemode="tozero"))}
 
 
 @guarded

@@ -88,7 +88,8 @@ RANK_STEP_FIELDS: tuple[Field, ...] = (
     Field("flops", "float", doc="model FLOPs of this step on this rank: real tokens, no recomputation (MFU)"),
     Field("mem_allocated_bytes", "int"),
     Field("mem_reserved_bytes", "int"),
-    Field("mem_peak_bytes", "int", doc="peak allocated since the previous step"),
+    Field("mem_peak_bytes", "int", doc="allocator high-water mark at the step's end, never reset by the agent: "
+          "the step's peak when it rose in the step, else an upper bound (CPU: peak RSS)"),
     Field("alloc_retries", "int", doc="caching allocator num_alloc_retries delta"),
     Field("flags", "int", doc="bit 0: negative residual measured (other_s set to 0)"),
     # optional fields added later go at the end: an older client's shorter rows stay valid

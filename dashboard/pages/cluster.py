@@ -130,7 +130,7 @@ def _detail(node: str | None) -> Any:
 @callback(Output(KPIS, "children"), Output(CHART, "figure"), Output(TABLE, "children"), Output(DETAIL, "children"),
           Input(NODE, "value"))
 def _fill(node: str | None) -> tuple[Any, ...]:
-    data = reports.node_list(_state.engine(), limit=TABLE_NODES)
+    data = reports.node_list(_state.engine(), limit=TABLE_NODES, refresh=0)  # the layout just refreshed
     nodes = data["nodes"]
     kpis = kpi_strip([
         kpi("nodes", f"{data['total']:,}"),

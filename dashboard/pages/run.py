@@ -60,6 +60,8 @@ COMM_DIMS = "run-comm-dims"
 PIPELINE = "run-pipeline"
 OVERLAP = "run-overlap"
 OVERLAP_BARS = 60  # collectives drawn in the overlap chart (the longest); the API lists up to MAX_PAGE_ROWS
+DIAGNOSIS = "run-diagnosis"
+BALANCE = "run-balance"
 
 GRAPHS = (DECOMPOSITION, HEATMAP, STRAGGLERS, THROUGHPUT, MEMORY, COLLECTIVES, MODALITY)
 
@@ -98,7 +100,8 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
         page_header(run["name"], sub, right),
         _thinned_note(run.get("thinned")),
         loading(kpi_strip([], kid=KPIS)),
-        section("What to fix first", loading(html.Div(id=BOTTLENECK_TEXT))),
+        section("Diagnosis", loading(html.Div(id=DIAGNOSIS))),
+        section("Bottlenecks · Amdahl ceilings", loading(html.Div(id=BOTTLENECK_TEXT))),
         section(None, loading(graph(DECOMPOSITION))),
         loading(html.Div(id=COMPILE)),
         loading(html.Div(id=KERNELS)),
@@ -119,6 +122,7 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
         loading(html.Div(id=PIPELINE)),
         loading(html.Div(id=OVERLAP)),
         section(None, loading(graph(MODALITY))),
+        loading(html.Div(id=BALANCE)),
         loading(html.Div(id=EXTRAS)),
         section("Config", loading(html.Div(id=CONFIG))),
     ], className="fs-run")
@@ -146,6 +150,8 @@ def _findings(summary: dict[str, Any], ranking: list[dict[str, Any]]) -> list[st
         out.append(f"low overlap: only {ov * 100:.0f} % of communication is hidden behind compute.")
     if summary.get("alloc_retries"):
         out.append(f"{summary['alloc_retries']:.0f} allocator retries: memory pressure on the hot path.")
+    if (summary.get("memory") or {}).get("ooms"):
+        out.append(f"{summary['memory']['ooms']:.0f} CUDA out-of-memory errors caught by the job (num_ooms).")
     if summary.get("negative_residual_steps"):
         out.append(f"{summary['negative_residual_steps']} steps with a negative residual (timing error), reported not clamped.")
     pk = summary.get("packing_efficiency")
@@ -189,6 +195,108 @@ def _bottleneck_panel(summary: dict[str, Any], report: dict[str, Any]) -> html.D
     ], id="run-bottleneck-report")
 
 
+#: diagnosis cause -> bar colour (the decomposition's colours where the cause is one of its components)
+_CAUSE_COLORS = {"data": "data_s", "compute": "compute_s", "comm_bandwidth": "comm_exposed_s", "other": "other_s"}
+
+
+@contained("diagnosis")
+def _diagnosis_panel(summary: dict[str, Any]) -> Any:
+    """The summary's ``diagnosis``: where the median step goes, ranked, each second counted once (the
+    parts sum to the step, shown), and the advice whose cause is ranked (docs/analysis.md, "Diagnosis")."""
+    d = summary.get("diagnosis")
+    if not d or not d.get("parts"):
+        return empty_state("No diagnosis yet", "It appears once steps with data/compute/comm timings arrive.",
+                           eid=f"{DIAGNOSIS}-empty")
+    rows = []
+    for p in d["parts"]:
+        color = COMPONENT_COLORS.get(_CAUSE_COLORS.get(p["cause"], ""), "#CC79A7" if "straggler" in p["cause"] else "#56B4E9")
+        rows.append(html.Div([
+            html.Div(p.get("label") or p["cause"], className="fs-bn-name"),
+            html.Div(html.Div(style={"width": f"{min(max(p['share'], 0.002), 1.0) * 100:.1f}%", "background": color}),
+                     className="fs-bn-track"),
+            html.Div(fmt_s(p["seconds"]), className="fs-bn-num"),
+            html.Div(f"{p['share'] * 100:.1f} %", className="fs-bn-num"),
+            html.Div([html.Div(e, className="fs-finding") for e in p.get("evidence") or []], className="fs-bn-findings"),
+        ], className="fs-bn-row", id=f"{DIAGNOSIS}-part-{p['cause']}"))
+    total = d.get("sum_s") if d.get("sum_s") is not None else sum(p["seconds"] for p in d["parts"])
+    labels = {p["cause"]: p.get("label") or p["cause"] for p in d["parts"]}
+    advice = [html.Li([html.B(labels.get(a["cause"], a["cause"])), ": ", _sentence(str(a["text"])), " ",
+                       html.Span(_sentence(str(a["why"])), className="fs-muted")]) for a in d.get("advice") or []]
+    return html.Div([
+        html.Div([html.Div("cause", className="fs-bn-name fs-muted"), html.Div("share of the median step", className="fs-muted"),
+                  html.Div("seconds", className="fs-bn-num fs-muted"), html.Div("share", className="fs-bn-num fs-muted"),
+                  html.Div("evidence", className="fs-muted")], className="fs-bn-row fs-bn-head"),
+        *rows,
+        html.Div([html.Div("sum", className="fs-bn-name"), html.Div(f"= median step {fmt_s(d.get('step_s'))}",
+                                                                 className="fs-muted"),
+                  html.Div(fmt_s(total), className="fs-bn-num"),
+                  html.Div(f"{total / d['step_s'] * 100:.1f} %" if d.get("step_s") else "–", className="fs-bn-num"),
+                  html.Div()], className="fs-bn-row", id=f"{DIAGNOSIS}-sum"),
+        html.Ul(advice, className="fs-list", id=f"{DIAGNOSIS}-advice") if advice else
+        html.Div("No advice: no ranked cause has a change that the data supports.", className="fs-muted",
+                 id=f"{DIAGNOSIS}-advice"),
+        html.Div([html.Div(n) for n in d.get("notes") or []], className="fs-footnote", id=f"{DIAGNOSIS}-notes"),
+    ], id=f"{DIAGNOSIS}-panel")
+
+
+@contained("token balance")
+def _balance_panel(summary: dict[str, Any]) -> Any:
+    """Token balance across ranks, the sequence-length histogram and the network finding, each when the
+    summary has it; nothing otherwise."""
+    tb = summary.get("token_balance")
+    hist = summary.get("seq_len_hist")
+    net = summary.get("network") or {}
+    parts: list[Any] = []
+    if tb:
+        heavy = tb.get("heaviest_rank") or {}
+        corr = tb.get("work_correlation")
+        parts.append(kpi_strip([
+            kpi("token imbalance", f"{tb['imbalance']:.2f}×" if tb.get("imbalance") is not None else "–",
+                f"p95 {tb['imbalance_p95']:.2f}× · max/median rank tokens per step" if tb.get("imbalance_p95") is not None
+                else None),
+            kpi("heaviest rank", f"rank {heavy['rank']}" if heavy.get("rank") is not None else "–",
+                f"{heavy['tokens_ratio']:.2f}× the median rank's tokens" if heavy.get("tokens_ratio") is not None else None),
+            kpi("work follows tokens", f"r = {corr:.2f}" if corr is not None else "–", "Pearson, tokens vs work time"),
+        ], kid=f"{BALANCE}-kpis"))
+        if tb.get("finding"):
+            parts.append(html.Div(_sentence(str(tb["finding"])), className="fs-finding", id=f"{BALANCE}-finding"))
+    if hist and hist.get("bins"):
+        top = max(b["count"] for b in hist["bins"]) or 1
+        bars = [html.Div([
+            html.Div(f"{b['lo']:,}–{b['hi']:,}", className="fs-bn-name"),
+            html.Div(html.Div(style={"width": f"{max(b['count'] / top, 0.002) * 100:.1f}%", "background": "#56B4E9"}),
+                     className="fs-bn-track"),
+            html.Div(f"{b['count']:,}", className="fs-bn-num"),
+            html.Div(f"{b['count'] / max(hist['sequences'], 1) * 100:.1f} %", className="fs-bn-num"),
+            html.Div(),
+        ], className="fs-bn-row") for b in hist["bins"]]
+        parts.append(html.Div([
+            html.Div(f"Sequence lengths: {hist['sequences']:,} sequences; median in [{hist['p50_bin_lo']:,}, …), "
+                     f"p95 in [{hist['p95_bin_lo']:,}, …)", className="fs-muted"), *bars,
+        ], id=f"{BALANCE}-seq-len"))
+    bad = net.get("slow_nodes") or net.get("slow_ranks") or []
+    if bad:
+        kind = "node" if net.get("slow_nodes") else "rank"
+        names = ", ".join(str(x.get("node") or x.get("host") or f"rank {x.get('rank')}") for x in bad[:5])
+        ratio = bad[0].get("busbw_ratio")
+        parts.append(html.Div(
+            f"Network: slow {kind}{'s' if len(bad) > 1 else ''} {names}"
+            + (f" (bus bandwidth {ratio:.2f}× their peers')" if ratio is not None else "")
+            + ": a link or NIC, not the job's settings.", className="fs-finding", id=f"{BALANCE}-network"))
+    elif net.get("ranks_measured"):
+        parts.append(html.Div(f"Network: no slow rank or node among {net['ranks_measured']:,} ranks measured.",
+                              className="fs-muted", id=f"{BALANCE}-network"))
+    if not parts:
+        return None
+    return section("Token balance · sequence lengths · network", parts, sid=f"{BALANCE}-section")
+
+
+@callback(Output(DIAGNOSIS, "children"), Output(BALANCE, "children"), Input(RUN, "data"))
+def _diagnosis(rid: int) -> tuple[Any, Any]:
+    summary = reports.run_page_summary(_state.engine(), rid) or {}
+    return _diagnosis_panel(summary), _balance_panel(summary)
+
+
 _MAX_PHASE_ROWS = 6  # phases listed in the tile; the rest are summed into one row
 
 
@@ -229,6 +337,7 @@ def _series(rid: int) -> tuple[Any, ...]:
     summary = reports.run_page_summary(eng, rid) or {}
     series = dict(reports.run_series(eng, rid))
     series["mfu_estimated"] = summary.get("mfu_estimated")
+    series["mem_source"] = (summary.get("memory") or {}).get("source")  # "rss" on CPU: the panel says so
     report = reports.bottleneck_report(eng, rid, summary) if summary else {"ranking": [], "findings": [], "source": "none"}
     return (_kpis(summary), _bottleneck_panel(summary, report),
             _mark_recompiles(F.decomposition_figure(series), reports.run_compile(eng, rid)),
@@ -243,8 +352,10 @@ def _kpis(summary: dict[str, Any]) -> list[Any]:
     ws = (summary.get("run") or {}).get("world_size") or 1
     return [
         kpi("step p50", fmt_s(d.get("step_s")), f"p95 slowest rank {fmt_s(summary.get('step_s_p95'))}"),
+        kpi("MFU", "flagged", summary["mfu_flag"], tone="bad", kid="run-mfu") if summary.get("mfu_flag") else
         kpi("MFU", fmt_pct(summary.get("mfu")), "estimated" if summary.get("mfu_estimated") else (summary.get("flops_source") or ""),
             kid="run-mfu"),
+        kpi("HFU", "flagged", summary["hfu_flag"], tone="bad", kid="run-hfu") if summary.get("hfu_flag") else
         kpi("HFU", fmt_pct(summary.get("hfu")),
             (f"recompute +{fmt_pct(summary['recompute_overhead'], 0)} FLOPs" if summary.get("recompute_overhead")
              else "hardware FLOPs: padding + recompute") if summary.get("hfu") is not None else "not measured",
@@ -255,11 +366,28 @@ def _kpis(summary: dict[str, Any]) -> list[Any]:
             f"overlap {fmt_pct(summary.get('overlap_ratio'))}" if summary.get("overlap_ratio") is not None else None),
         kpi("data wait", fmt_s(d.get("data_s"))),
         _phases_kpi(summary.get("phases") or {}, d.get("step_s")),
-        kpi("peak memory", fmt_bytes(summary.get("mem_peak_bytes")), "max over ranks"),
+        _memory_kpi(summary),
         kpi("packing", fmt_pct(summary.get("packing_efficiency")), "real ÷ padded tokens"),
         kpi("records", f"{fmt_num(summary.get('rank_steps'))} rank-steps",
             f"{summary.get('steps') or 0:,} steps × {ws:,} ranks"),
     ]
+
+
+def _memory_kpi(summary: dict[str, Any]) -> Any:
+    """Peak memory, max over ranks: the CUDA allocator's peak allocated, or on CPU the process's RSS
+    (said so: no device-allocator claim), with imbalance, fragmentation and OOMs when known."""
+    mem = summary.get("memory") or {}
+    rss = mem.get("source") == "rss"
+    value = mem.get("peak_allocated_max") if mem.get("peak_allocated_max") is not None else summary.get("mem_peak_bytes")
+    sub = ["RSS (CPU process), max over ranks" if rss else "peak allocated, max over ranks"]
+    if mem.get("imbalance") is not None and (mem.get("ranks") or 0) > 1:
+        sub.append(f"max/median {mem['imbalance']:.2f}×")
+    if not rss and mem.get("fragmentation_bytes"):
+        sub.append(f"reserved−allocated {fmt_bytes(mem['fragmentation_bytes'])}")
+    if mem.get("ooms"):
+        sub.append(f"{mem['ooms']:.0f} OOM{'' if mem['ooms'] == 1 else 's'}")
+    return kpi("peak RSS" if rss else "peak memory", fmt_bytes(value), " · ".join(sub), kid="run-memory-kpi",
+               tone="bad" if mem.get("ooms") else None)
 
 
 _MAX_MARKS = 200  # recompile markers drawn on the step-time chart
@@ -485,8 +613,10 @@ def _overlap_panel(view: dict[str, Any] | None, summary: dict[str, Any]) -> Any:
         kpi_strip(tiles, kid=f"{OVERLAP}-kpis"),
         graph(f"{OVERLAP}-chart", F.overlap_figure(view)),
         html.Ul(items, className="fs-list", id=f"{OVERLAP}-advice") if items else
-        html.Div("No bucketing or overlap suggestion: exposed communication is not a top bottleneck of this run, or "
-                 "no change could remove 1 % of its step.", className="fs-muted", id=f"{OVERLAP}-advice"),
+        html.Div("No bucketing or overlap suggestion: exposed communication is not a top bottleneck of this run, the "
+                 "Diagnosis finds it is waiting or small synchronisation rather than bandwidth (or not the job's "
+                 "DDP / FSDP pattern), or no change could remove 1 % of its step.", className="fs-muted",
+                 id=f"{OVERLAP}-advice"),
         html.Div(_sentence(view.get("note") or ""), className="fs-footnote"),
         html.Div(f"Showing the {len(view['collectives']):,} longest of {view['collectives_total']:,} collectives of this "
                  "rank-step; the figures above count all of them.",

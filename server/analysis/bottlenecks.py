@@ -93,7 +93,8 @@ def bottleneck_report(run_id: int, fig: RunFigures, *, efficiency_large_messages
         if overlap < lim["overlap_ratio_low"] and shares["comm_exposed"] >= lim["comm_share_min"]:
             findings["comm_exposed"].append(
                 f"low overlap: only {_pct(overlap)} of communication is hidden behind compute "
-                "(use larger gradient buckets / overlap the all-reduce with backward)"
+                "(what to change, if anything, is in the diagnosis: it depends on the job's parallelism and on "
+                "the message sizes)"
             )
     e = efficiency_large_messages
     if e is not None and e < lim["busbw_efficiency_low"]:

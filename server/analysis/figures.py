@@ -27,6 +27,7 @@ __all__ = [
     "METRICS",
     "run_figures",
     "mfu",
+    "plausible_utilisation",
     "recompute_overhead",
     "tokens_per_s",
     "step_s_per_1k_tokens",
@@ -38,7 +39,7 @@ __all__ = [
 ]
 
 #: bumped when a figure's definition changes: cached figures of another version are recomputed
-FIGURES_VERSION = 4
+FIGURES_VERSION = 5
 
 #: the step-time components in stacking order: (decomposition key, label)
 COMPONENTS = (("data_s", "data"), ("compute_s", "compute"), ("comm_exposed_s", "exposed comm"), ("other_s", "other"))
@@ -60,6 +61,16 @@ X = TypeVar("X", float, np.ndarray)
 def mfu(flops_per_dev_s: X, peak_flops: float) -> X:
     """Model FLOPs utilisation: FLOPs done per device-second over the device's peak FLOP/s."""
     return flops_per_dev_s / peak_flops
+
+
+def plausible_utilisation(name: str, value: float | None) -> tuple[float | None, str | None]:
+    """(value, None) for a utilisation (MFU, HFU) a device can reach; (None, why) above 1: more FLOPs
+    than peak × step time cannot have run on the device, so the FLOP count (or the peak) is wrong —
+    typically FLOPs counted globally under tensor parallelism, or a peak for another dtype."""
+    if value is None or value <= 1.0:
+        return value, None
+    return None, (f"implausible: {name} {value:.2f} > 1 — the FLOP count exceeds peak × step time "
+                  "(FLOPs likely counted globally, or the peak is for another dtype/device)")
 
 
 #: below this, measured recomputation is rounding, not activation checkpointing
@@ -157,6 +168,10 @@ class RunFigures:
     overlap_ratio: float | None = None
     mfu: float | None = None
     hfu: float | None = None  # hardware FLOPs utilisation: padding and recomputation included
+    mfu_flag: str | None = None  # why mfu is None although it was computed (plausible_utilisation)
+    hfu_flag: str | None = None
+    flops_per_rank_step: float | None = None  # model FLOPs one rank executes per step (median over steps)
+    hw_flops_per_rank_step: float | None = None
     recompute_overhead: float | None = None  # see recompute_overhead(); None without checkpointing
     tokens_per_s: float | None = None
     tokens_per_s_per_gpu: float | None = None
@@ -211,6 +226,10 @@ def run_figures(run: RunRow, a: RunAggregate | None) -> RunFigures:
     packing = None
     if a.sum_padded_tokens is not None and a.sum_padded_tokens > 0:
         packing = (a.sum_tokens or 0.0) / a.sum_padded_tokens
+    m, m_flag = plausible_utilisation(
+        "MFU", mfu(a.flops_per_dev_s, run.peak_flops) if a.flops_per_dev_s is not None and run.peak_flops else None)
+    h, h_flag = plausible_utilisation(
+        "HFU", mfu(a.hw_flops_per_dev_s, run.peak_flops) if a.hw_flops_per_dev_s is not None and run.peak_flops else None)
     return RunFigures(
         steps=a.n,
         step_s=a.step_s,
@@ -224,8 +243,12 @@ def run_figures(run: RunRow, a: RunAggregate | None) -> RunFigures:
                 if v is not None} or None,
         straggler_wait_s=a.straggler_wait_s,
         overlap_ratio=overlap_ratio(a.comm_exposed_s, a.comm_total_s),
-        mfu=mfu(a.flops_per_dev_s, run.peak_flops) if a.flops_per_dev_s is not None and run.peak_flops else None,
-        hfu=mfu(a.hw_flops_per_dev_s, run.peak_flops) if a.hw_flops_per_dev_s is not None and run.peak_flops else None,
+        mfu=m,
+        hfu=h,
+        mfu_flag=m_flag,
+        hfu_flag=h_flag,
+        flops_per_rank_step=a.flops_per_rank_step,
+        hw_flops_per_rank_step=a.hw_flops_per_rank_step,
         recompute_overhead=recompute_overhead(a.sum_hw_flops, a.sum_flops_with_hw, a.sum_tokens_with_hw,
                                               a.sum_padded_with_hw),
         tokens_per_s=tps,

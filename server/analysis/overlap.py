@@ -245,6 +245,18 @@ def rank_collectives(cb: Mapping[str, np.ndarray] | None, rank: int, dim_names: 
     return out
 
 
+#: per-call bytes below which a collective carries a few scalars (a loss or metric all-reduce, a flag
+#: all-gather), not gradients or parameters: never taken for a gradient reduction or an FSDP gather.
+#: Lower than the diagnosis's latency-bound threshold (``SYNC_BYTES``): a tiny model's gradient
+#: buckets are latency-bound, yet still gradient reductions that mark where backward ends.
+SCALARS_MAX_BYTES = 1024
+
+
+def _small(c: Placed) -> bool:
+    """A synchronisation collective of a few scalars: under ``SCALARS_MAX_BYTES`` per call."""
+    return c.bytes / max(c.calls, 1) < SCALARS_MAX_BYTES
+
+
 def _merge(iv: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[tuple[float, float]] = []
     for a, b in sorted(x for x in iv if x[1] > x[0]):
@@ -301,7 +313,8 @@ def timeline(rs: RankStep, colls: Sequence[Collective]) -> Timeline:
     other = float(np.nan_to_num(rs.other_s))
     slack = other if not np.isfinite(rs.optimizer_s) else min(other, rs.optimizer_s)
     hi = _wall(waits, busy_end + slack, late=True) + _EPS
-    grads = [c for c in inside if c.op in GRAD_OPS and start - _EPS <= c.start_s <= hi]
+    # a gradient reduction moves gradients: a small one (a loss or metric all-reduce) is a synchronisation
+    grads = [c for c in inside if c.op in GRAD_OPS and start - _EPS <= c.start_s <= hi and not _small(c)]
     if grads:  # the gradients' group: the dimension reducing the most bytes (not a TP all-reduce)
         per_dim: dict[str, float] = {}
         for c in grads:
@@ -399,8 +412,9 @@ def _figures(t: Timeline) -> _StepFigures | None:
     op = max(by_op, key=lambda k: by_op[k]) if by_op else None
     main = [c for c in grads if c.op == op]
     samples = _service(main)
-    ag_f = [c for c in t.collectives if c.op == "all_gather" and c.phase == "before_backward"]
-    ag_b = [c for c in t.collectives if c.op == "all_gather" and c.phase == "backward"]
+    # parameter all-gathers only: a small all-gather (HF's 16-byte one while loading data) is a synchronisation
+    ag_f = [c for c in t.collectives if c.op == "all_gather" and c.phase == "before_backward" and not _small(c)]
+    ag_b = [c for c in t.collectives if c.op == "all_gather" and c.phase == "backward" and not _small(c)]
     return _StepFigures(
         step_s=t.step_s, grad_op=op, grad_calls=float(sum(c.calls for c in main)),
         grad_bytes=float(sum(c.bytes for c in main)), grad_exposed=float(sum(c.exposed_s for c in main)),

@@ -175,7 +175,7 @@ def dim_findings(by_dim: dict[str, dict[str, float]], step_s: float | None, span
                 if dim in ("tp", "cp", "sp", "ep"):
                     text += f": keep {who} inside a node (make it the innermost mesh dimension)"
             elif dim in ("dp", "dp_shard", "world"):
-                text += ": overlap it with backward (bucket size, FSDP prefetch) or grow the per-rank batch"
+                text += ": overlap it with backward or grow the per-rank batch"
             out.append({"dim": dim, "share": share, "finding": text})
     if pipeline and pipeline.get("bubble_fraction") and pipeline["bubble_fraction"] >= min_share:
         frac = pipeline["bubble_fraction"]

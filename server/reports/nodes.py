@@ -5,12 +5,13 @@ name the node).
 
 Read from ``run_node_health`` (one row per run and node, written when a run's network health is
 computed: ``reports.network``), never from step blocks. Runs without current rows (never summarised,
-or finished since) are brought up to date first, at most ``REFRESH_RUNS`` per call, newest first;
+or finished since) are brought up to date first, at most ``REFRESH_RUNS`` per call and about ``REFRESH_BUDGET_S`` seconds, newest first;
 ``pending_runs`` says how many are still behind.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,20 +26,26 @@ from .runs import stragglers
 __all__ = ["node_list", "node_detail", "refresh_node_health", "REFRESH_RUNS"]
 
 REFRESH_RUNS = 20
+#: seconds one read spends bringing runs' node health up to date (then it answers with what is current)
+REFRESH_BUDGET_S = 2.0
 _VS_MEDIAN_MIN_NODES = 3  # nodes needed before a microbenchmark is compared with the others'
 
 
-def refresh_node_health(engine: Engine, limit: int = REFRESH_RUNS) -> tuple[int, int]:
-    """Compute the node health rows of up to ``limit`` runs that lack current ones; (refreshed, still pending)."""
+def refresh_node_health(engine: Engine, limit: int = REFRESH_RUNS, budget_s: float = REFRESH_BUDGET_S) -> tuple[int, int]:
+    """Compute the node health rows of up to ``limit`` runs that lack current ones, stopping once
+    ``budget_s`` seconds are spent (a read or a page never waits on more than about one run past it:
+    the rest is brought up to date by the next reads); (refreshed, still pending)."""
     ids, n_stale = node_store.stale_runs(engine, limit)
     done = 0
+    t0 = time.monotonic()
     for rid in ids:
+        if done and time.monotonic() - t0 > budget_s:
+            break
         run = run_store.get_run(engine, rid, pending=False)
-        if run is None:
-            continue
-        run_network(engine, run, stragglers(engine, rid))
+        if run is not None:
+            run_network(engine, run, stragglers(engine, rid))
         done += 1
-    return done, max(n_stale - len(ids), 0)
+    return done, max(n_stale - done, 0)
 
 
 def _microbench(engine: Engine, nodes: Sequence[str]) -> dict[str, dict[str, Any]]:

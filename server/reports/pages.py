@@ -59,7 +59,12 @@ def _run_series(engine: Engine, run_id: int, max_points: int) -> dict[str, Any]:
     out["step_s"] = minmax_series(x, s["step_s"], 2 * max_points)
     out["step_s_max"] = minmax_series(x, s["step_s_max"], 2 * max_points)
     if run.peak_flops:
-        out["mfu"] = minmax_series(x, mfu(s["flops_per_dev_s"], run.peak_flops), 2 * max_points)
+        m = mfu(s["flops_per_dev_s"], run.peak_flops)
+        bad = m > 1.0  # implausible (more FLOPs than peak × step time): not drawn, counted
+        if np.any(bad):
+            out["mfu_implausible_steps"] = int(np.sum(bad))
+            m = np.where(bad, np.nan, m)
+        out["mfu"] = minmax_series(x, m, 2 * max_points)
     tps = tokens_per_s(s["tokens_per_s_raw"], run.mp_size)
     if np.any(~np.isnan(tps)):
         out["tokens_per_s"] = minmax_series(x, tps, 2 * max_points)

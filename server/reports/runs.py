@@ -16,6 +16,12 @@ from ..analysis.bottlenecks import bottleneck_report, data_stall_ranks, summary_
 from ..analysis.collectives import collective_efficiency as _efficiency
 from ..analysis.collectives import collective_rows
 from ..analysis.compile import compile_health
+from ..analysis.diagnosis import (
+    consistent_bottlenecks,
+    consistent_overlap_advice,
+    consistent_parallel_findings,
+    diagnose,
+)
 from ..analysis.figures import RunFigures, run_figures
 from ..analysis.goodput import CHECKPOINT_KINDS, EVAL_KINDS, RESTART_KINDS
 from ..analysis.goodput import goodput as _goodput
@@ -37,6 +43,7 @@ from ..store import runs as run_store
 from ..store.compile import load_compile
 from ..store.rows import RankRollups, RunRow
 from . import _cache
+from .memory import run_memory
 from .network import run_network
 from .overlap import run_overlap_advice
 from .tokens import run_token_balance
@@ -157,6 +164,13 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
     meta = run.meta or {}
     d = run.as_dict()
     par = dict(parallel_summary(engine, run, fig))
+    comps = summary_bottlenecks(_bottlenecks(engine, run, fig))
+    balance = run_token_balance(engine, run)
+    network = run_network(engine, run, _stragglers(engine, run, fig))
+    raw_advice = run_overlap_advice(engine, run, fig, comps)
+    diag = _diagnosis(engine, run, fig, comps, raw_advice, balance, network)
+    par["parallel_findings"] = consistent_parallel_findings(
+        par["parallel_findings"], collectives.run_collectives(engine, run.id), diag)
     return {
         "run": d,
         "rank_steps": d["rank_steps"],
@@ -171,25 +185,58 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
         "mfu": fig.mfu,
         "hfu": fig.hfu,
         "recompute_overhead": fig.recompute_overhead,
+        "mfu_flag": fig.mfu_flag,
+        "hfu_flag": fig.hfu_flag,
         "mfu_estimated": meta.get("flops_source") == "estimated",
         "flops_source": meta.get("flops_source"),
+        "flops_per_rank_step": flops_per_rank_step(engine, run, fig),
         "tokens_per_s": fig.tokens_per_s,
         "tokens_per_s_per_gpu": fig.tokens_per_s_per_gpu,
         "packing_efficiency": fig.packing_efficiency,
         "mem_peak_bytes": fig.mem_peak_bytes,
         "alloc_retries": fig.alloc_retries,
+        "memory": run_memory(engine, run, fig),  # per-rank peaks, imbalance, fragmentation, OOMs (read fresh)
         "negative_residual_steps": fig.negative_residual_steps,
         "stragglers": summary_stragglers(_stragglers(engine, run, fig)),
-        "bottlenecks": summary_bottlenecks(_bottlenecks(engine, run, fig)),
+        # bottlenecks, overlap_advice and parallel_findings say nothing the diagnosis contradicts
+        "bottlenecks": consistent_bottlenecks(comps, diag),
+        "diagnosis": diag,
         "compile": run_compile(engine, run.id),  # read fresh: events land after the steps
-        "token_balance": run_token_balance(engine, run),
-        "network": run_network(engine, run, _stragglers(engine, run, fig)),
-        "overlap_advice": run_overlap_advice(engine, run, fig, summary_bottlenecks(_bottlenecks(engine, run, fig))),
+        "token_balance": balance,
+        "network": network,
+        "overlap_advice": consistent_overlap_advice(raw_advice, diag),
         # records folded or dropped to keep server/limits.py's bounds: {bound: n} and, per event kind,
         # "events_dropped" / "events_folded" {kind: n}
         "folded": {**bounds.folded(engine, run.id), **run_limits(engine, run.id)},
         **par,
     }
+
+
+def _diagnosis(engine: Engine, run: RunRow, fig: RunFigures, comps: list[dict[str, Any]],
+               raw_advice: list[dict[str, Any]], balance: dict[str, Any] | None,
+               network: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The summary's ``diagnosis`` (``analysis.diagnosis``), cached until the run changes."""
+    return _cache.cached("diagnosis", engine, run, lambda: diagnose(
+        step_s=fig.step_s, shares=fig.shares, colls=collectives.run_collectives(engine, run.id),
+        world_size=run.world_size, stragglers=_stragglers(engine, run, fig), token_balance=balance,
+        bottlenecks=comps, overlap_items=raw_advice, network=network,
+        efficiency_large_messages=_efficiency_of(engine, run)["efficiency_large_messages"]))
+
+
+def flops_per_rank_step(engine: Engine, run: RunRow, fig: RunFigures) -> dict[str, Any]:
+    """The FLOPs one rank executes in one optimizer step, median over steps (docs/metrics.md): model and
+    hardware, and where they came from — "given", "formula" (the PaLM formula, divided by the
+    model-parallel degree), "measured" (FlopCounterMode, DTensor ops at their local shards),
+    "measured_uncompiled" (a compiled model's eager module on fake tensors) — or None."""
+    meta_source = (run.meta or {}).get("flops_source")
+    source = "formula" if meta_source == "estimated" else meta_source
+    if source == "measured":
+        ev_source, method = events.flops_method(engine, run.id)
+        if method == "uncompiled_fake":
+            source = "measured_uncompiled"
+        elif ev_source is None and fig.flops_per_rank_step is None:
+            source = None  # nothing was measured (e.g. a compiled model whose inputs were never seen)
+    return {"model": fig.flops_per_rank_step, "hardware": fig.hw_flops_per_rank_step, "source": source}
 
 
 _PIPELINE_STEPS = 200  # recent steps the per-stage figures are taken over

@@ -46,7 +46,9 @@ SELECT run_id, count(*) AS n,
   {_med(PER_STEP["hw_flops_per_dev_s"], "hw_flops_per_dev_s")}, sum(hw_flops) AS sum_hw_flops,
   sum(flops) FILTER (WHERE hw_flops IS NOT NULL) AS sum_flops_with_hw,
   sum(tokens) FILTER (WHERE hw_flops IS NOT NULL) AS sum_tokens_with_hw,
-  sum(padded_tokens) FILTER (WHERE hw_flops IS NOT NULL) AS sum_padded_with_hw
+  sum(padded_tokens) FILTER (WHERE hw_flops IS NOT NULL) AS sum_padded_with_hw,
+  {_med(PER_STEP["flops_per_rank"], "flops_per_rank_step")},
+  {_med(PER_STEP["hw_flops_per_rank"], "hw_flops_per_rank_step")}
 FROM steps WHERE run_id = ANY(:ids) AND n_ranks > 0 GROUP BY run_id
 """
 

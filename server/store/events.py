@@ -32,7 +32,7 @@ from ..limits import (
     MAX_PIPELINE_STAGES,
 )
 
-__all__ = ["run_events", "job_events", "pipeline_events", "seq_len_bins", "land_events", "Landed", "group_rows",
+__all__ = ["run_events", "job_events", "flops_method", "pipeline_events", "seq_len_bins", "land_events", "Landed", "group_rows",
            "group_ranks", "legacy_groups", "event_limits", "GroupRow", "GROUPS_KIND", "TOTAL_KIND", "EVENT_DATA_BYTES"]
 
 _LOCK_KEY = 727280  # with the run id: pg_advisory_xact_lock(key, run_id) around admitting a run's events
@@ -172,6 +172,20 @@ def run_events(engine: Engine, run_id: int, limit: int = 500) -> list[dict[str, 
             {"id": run_id, "n": max(0, min(int(limit), MAX_PAGE_ROWS)), "cap": EVENT_DATA_BYTES},
         ).fetchall()
     return [dict(r._mapping) for r in rows]
+
+
+def flops_method(engine: Engine, run_id: int) -> tuple[str | None, str | None]:
+    """(source, method) of the lowest reporting rank's latest ``flops`` event (the agent's account of
+    how it counted: ``method`` "flop_counter" / "uncompiled_fake", ``source`` "measured" / "formula");
+    (None, None) without one. Strings only, at most 32 characters."""
+    with engine.connect() as c:
+        row = c.execute(
+            text("SELECT left(data ->> 'source', 32), left(data ->> 'method', 32) FROM run_events "
+                 "WHERE run_id = :id AND kind = 'flops' AND jsonb_typeof(data) = 'object' "
+                 "ORDER BY rank, ts DESC NULLS LAST, seq DESC LIMIT 1"),
+            {"id": run_id},
+        ).one_or_none()
+    return (row[0], row[1]) if row is not None else (None, None)
 
 
 def job_events(engine: Engine, run_id: int, kinds: Sequence[str],

@@ -127,6 +127,9 @@ class RunAggregate:
     sum_flops_with_hw: float | None = None
     sum_tokens_with_hw: float | None = None
     sum_padded_with_hw: float | None = None
+    # FLOPs one rank executes in one step (model / hardware): median over steps of the ranks' mean
+    flops_per_rank_step: float | None = None
+    hw_flops_per_rank_step: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,9 @@ PER_STEP: dict[str, str] = {
     # tokens per second of the step, before dividing by the model-parallel size (analysis.figures.tokens_per_s)
     "tokens_per_s_raw": "tokens / nullif(step_s, 0)",
     "tokens_per_rank": "tokens / nullif(n_ranks, 0)",
+    # FLOPs one rank executed in the step (model / hardware), the ranks' mean
+    "flops_per_rank": "flops / nullif(n_ranks, 0)",
+    "hw_flops_per_rank": "hw_flops / nullif(n_ranks, 0)",
     # time the median rank waits for the slowest one: max work − median work, never negative
     "wait_s": "greatest(coalesce(work_s_max - work_s, 0), 0)",
     # the part of that wait spent inside exposed communication (carved out of exposed comm)

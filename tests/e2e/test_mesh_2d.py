@@ -1,7 +1,8 @@
 """A 2-D mesh job (FSDP2 over ``dp`` × tensor parallel over ``tp``, a tiny MLP) run unmodified
 through ``fleetscope run`` under torchrun (4 ranks, gloo on CPU): every rank-step once, every
-collective byte attributed to its mesh dimension with the bytes the parallel plan implies, and no
-communication time charged to compute."""
+collective byte attributed to its mesh dimension with the bytes the parallel plan implies, no
+communication time charged to compute, and each rank's FLOPs its local (TP-sharded) work, not the
+global op's."""
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def test_two_d_mesh_comm_is_split_by_dimension(live_server: Any, engine: Any, tm
     (tmp_path / "train.py").write_text(MESH_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FLEETSCOPE_SERVER": live_server.url,
            "FLEETSCOPE_TOKEN": live_server.token, "FLEETSCOPE_SPOOL_DIR": str(tmp_path / "spool"),
-           "PYTHONWARNINGS": "ignore"}
+           "PYTHONWARNINGS": "ignore",
+           "FLEETSCOPE_PEAK_FLOPS": "1000"}  # far below what the ranks did: MFU > 1, flagged
     env.pop("FLEETSCOPE_RUN_NAME", None)
     res = subprocess.run([*FS_RUN, "--name", "mesh2d", "--", TORCHRUN, "--standalone", "--nproc-per-node", "4",
                           "train.py"], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
@@ -83,6 +85,21 @@ def test_two_d_mesh_comm_is_split_by_dimension(live_server: Any, engine: Any, tm
     steps, ranks, step_s = rank_step_matrix(engine, rid, "step_s")
     assert step_s.shape == (STEPS, 4) and not np.isnan(step_s).any()
 
+    # FLOPs: each rank's local work. Forward: up [B, D] x [D, H/2] and down [B, H/2] x [H/2, D] (the
+    # TP-local shards); backward: down's grad input and weight, up's weight (the input needs no grad).
+    # A DTensor op counted at its global shapes would give twice this on every rank.
+    local_mm = 2 * B * D * (H // 2)
+    local_flops = 5 * local_mm
+    _, _, flops = rank_step_matrix(engine, rid, "flops")
+    assert flops.shape == (STEPS, 4) and (flops == local_flops).all(), flops
+    assert summary["flops_per_rank_step"] == {"model": local_flops, "hardware": local_flops, "source": "measured"}
+    meta = summary["run"]["meta"]
+    assert meta["dtype"] == "fp32" and meta["dtype_source"] == "parameters"  # the model's, not a default
+    assert summary["run"]["peak_flops"] == 1000 and meta["peak_flops_source"] == "env"
+    # 10 kFLOP per step in well under 10 s against a 1 kFLOP/s peak: impossible, so flagged, not shown
+    assert summary["mfu"] is None and summary["hfu"] is None
+    assert summary["mfu_flag"].startswith("implausible: MFU") and summary["hfu_flag"].startswith("implausible: HFU")
+
     # the plan's bytes per rank and step (fp32): TP (size 2) all-reduces the row-parallel output
     # [B, D] in forward; FSDP (size 2) all-gathers the TP-local weights (up: H/2 x D, down: D x H/2)
     # before forward and reduce-scatters their gradients after backward
@@ -95,7 +112,14 @@ def test_two_d_mesh_comm_is_split_by_dimension(live_server: Any, engine: Any, tm
     assert {d for d, _ in got} <= {"dp", "tp", "world"}, got  # every collective byte in a named dimension
     for key, per_step in want.items():
         assert got.get(key) == per_step * STEPS * 4, (key, got)
-    assert got.get(("world", "barrier")) == 0.0  # the barrier after the loop, on the default group
+    # the barrier after the loop (default group) is no step's: reported after the last step (agent/run.py)
+    assert ("world", "barrier") not in got, got
+    with engine.connect() as c:
+        from sqlalchemy import text
+
+        after = c.execute(text("SELECT data FROM run_events WHERE run_id = :id "
+                               "AND kind = 'collectives_after_last_step'"), {"id": rid}).fetchall()
+    assert len(after) == 4 and all(r[0]["ops"].get("barrier") == 1 for r in after), after
 
     by_dim = summary["comm_by_dim"]
     assert set(by_dim) == {"dp", "tp"}, by_dim

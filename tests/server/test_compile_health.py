@@ -171,8 +171,13 @@ def test_zero_code_launcher_reports_compile_health(live_server: Any, tmp_path: P
     live_server.compact()
     with live_server.client() as c:
         rid = next(r["id"] for r in c.runs(name="zero-code-compiled"))
-        comp = c.summary(rid)["compile"]
+        summary = c.summary(rid)
+        comp = summary["compile"]
     assert comp is not None and comp["compiles"] == 2 and comp["recompiles"] == 1 and comp["recompile_steps"] == [3]
+    # its FLOPs: measured once (step 1, batch 4) on the eager module and fake tensors, without a compile
+    # more — forward 2·4·(8·16 + 16·1), backward the second layer's input and weight, the first's weight
+    want = 2 * 4 * (8 * 16 + 16) + 2 * (2 * 4 * 16) + 2 * 4 * 8 * 16
+    assert summary["flops_per_rank_step"] == {"model": want, "hardware": want, "source": "measured_uncompiled"}
     assert comp["graph_breaks"] == 0 and comp["compile_s"] > 0
     (r,) = comp["reasons"]["recompile"]
     assert "size mismatch at index 0. expected 4, actual 6" in r["reason"]

@@ -96,6 +96,15 @@ def test_a_slow_node_is_named_by_the_summary_and_ranked_first_across_runs(live_s
     after = httpx.get(f"{live_server.url}/api/v1/nodes").json()["nodes"][0]
     assert after["node"] == SLOW and after["runs"] == 4 and after["slow_network_runs"] == 2
 
+    # a read brings runs up to date within a time budget: past it, the rest waits for the next reads
+    from fleetscope.server.reports.nodes import refresh_node_health
+
+    with live_server.state.engine.begin() as c:
+        c.execute(text("DELETE FROM run_node_health"))
+    reports.clear_caches()
+    assert refresh_node_health(live_server.state.engine, budget_s=0.0) == (1, 3)  # one run of 4, however slow
+    assert refresh_node_health(live_server.state.engine, budget_s=600.0) == (3, 0)
+
 
 def test_bad_input_is_refused_naming_the_field(live_server: Any) -> None:
     r = httpx.get(f"{live_server.url}/api/v1/nodes", params={"limit": 0})

@@ -46,7 +46,7 @@ ORDER BY e.rank, e.seq LIMIT %s
 """
 
 
-def fold_new_windows(engine: Engine, run_id: int, fold: Fold, *, chunk: int = 500, max_chunks: int = 100) -> int:
+def fold_new_windows(engine: Engine, run_id: int, fold: Fold, *, chunk: int = 100, max_chunks: int = 500) -> int:
     """Fold the run's trace windows not folded yet with ``fold``; returns how many were folded (at most
     ``chunk × max_chunks`` per call: the rest waits for the next read)."""
     done = 0

@@ -51,25 +51,40 @@ def save_traces(engine: Engine, *, run_id: int, rows: list[tuple[int, str, dict[
     return len(rows)
 
 
+#: stored (TOAST-compressed) bytes of trace summaries one read returns per source, at most
+READ_BUDGET_BYTES = 16 << 20
+
+
 def run_traces(engine: Engine, run_id: int, limit: int = MAX_PAGE_ROWS) -> list[dict[str, Any]]:
     """The run's trace summaries, ranks ascending (the cross-rank row, ``rank = -1``, first): at most
-    ``limit`` imported and ``limit`` sampled ones, the first ``limit`` of them together.
+    ``limit`` imported and ``limit`` sampled ones, each within ``READ_BUDGET_BYTES`` of stored JSON, the
+    first ``limit`` of them together.
 
     Each item: ``{"rank", "source", "created_at", "summary"}``. A rank's summary carries
     ``kernel_time_us``, ``idle_pct``, ``compute_pct``, ``non_compute_pct``, ``comm_overlap_pct``,
     ``idle_breakdown``, ``kernel_types``, ``top_kernels`` and ``steps`` (see docs/traces.md).
     """
     with engine.connect() as c:
+        # bounded in bytes too (``READ_BUDGET_BYTES`` of stored JSON per source), not only in rows: the
+        # running sum of the stored sizes is computed before any payload is read
         rows = c.execute(
-            text("SELECT rank, source, created_at, summary FROM trace_summaries WHERE run_id = :run "
-                 "ORDER BY rank, source LIMIT :k"),
-            {"run": run_id, "k": limit},
+            text("SELECT rank, source, created_at, summary FROM ("
+                 "  SELECT rank, source, created_at, summary, sum(pg_column_size(summary)) OVER ("
+                 "    ORDER BY rank, source ROWS UNBOUNDED PRECEDING) AS cum"
+                 "  FROM (SELECT rank, source, created_at, summary FROM trace_summaries WHERE run_id = :run "
+                 "        ORDER BY rank, source LIMIT :k) t) u "
+                 "WHERE cum <= :budget ORDER BY rank, source"),
+            {"run": run_id, "k": limit, "budget": READ_BUDGET_BYTES},
         ).fetchall()
         # the agent's sampled tracing sends its summaries as `trace_summary` events (agent/tracing.py)
         sampled = c.execute(
-            text("SELECT rank, data FROM run_events WHERE run_id = :run AND kind = 'trace_summary' "
-                 "ORDER BY rank, step LIMIT :k"),
-            {"run": run_id, "k": limit},
+            text("SELECT rank, data FROM ("
+                 "  SELECT rank, step, data, sum(pg_column_size(data)) OVER ("
+                 "    ORDER BY rank, step ROWS UNBOUNDED PRECEDING) AS cum"
+                 "  FROM (SELECT rank, step, data FROM run_events WHERE run_id = :run AND kind = 'trace_summary' "
+                 "        ORDER BY rank, step LIMIT :k) t) u "
+                 "WHERE cum <= :budget ORDER BY rank, step"),
+            {"run": run_id, "k": limit, "budget": READ_BUDGET_BYTES},
         ).fetchall()
     out = [
         {"rank": r.rank, "source": r.source, "created_at": r.created_at.isoformat() if r.created_at is not None else None,

@@ -307,3 +307,28 @@ def test_a_trace_summary_keeps_the_top_kernels_and_sums_the_rest(live_server: An
         rep = c.get(f"/api/v1/runs/{rid}/kernels", top=200)
     assert rep["windows"] == 8 and rep["names"] <= MAX_NAMES + len(CATEGORIES) and len(rep["kernels"]) <= 200
     assert rep["kernel_us"] == pytest.approx(8 * sum(range(1, 101)))  # every window's time, folded or not
+
+
+def test_the_trace_read_stops_at_its_byte_budget(live_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GET /runs/{id}/traces`` returns summaries up to READ_BUDGET_BYTES of stored JSON, never more
+    (rows beyond it wait for a narrower read), whatever size the stored summaries have."""
+    from fleetscope.server.store import traces as trace_store
+
+    rows = [{"kernel_type": "COMPUTATION", "name": f"void k{i:04d}(float*)", "count": 1, "sum_us": float(i + 1),
+             "max_us": 1.0, "min_us": 1.0, "mean_us": 1.0, "std_us": 0.0} for i in range(MAX_KERNELS_PER_TRACE)]
+    with live_server.client() as c:
+        rid = c.register_run({"name": "trace-budget", "world_size": 4})
+        for r in range(4):
+            res = c.http.post(f"/api/v1/runs/{rid}/traces",
+                              json={"ranks": {str(r): {"source": f"r{r}.json", "top_kernels": rows}}})
+            assert res.status_code == 200, res.text[:300]
+        assert sorted(t["rank"] for t in c.get(f"/api/v1/runs/{rid}/traces")["traces"] if t["rank"] >= 0) == [0, 1, 2, 3]
+        with live_server.state.engine.connect() as conn:
+            from sqlalchemy import text
+
+            sizes = [int(x) for (x,) in conn.execute(text(
+                "SELECT pg_column_size(summary) FROM trace_summaries WHERE run_id = :r AND rank >= 0 ORDER BY rank"),
+                {"r": rid})]
+        monkeypatch.setattr(trace_store, "READ_BUDGET_BYTES", sum(sizes[:2]) + sizes[2] // 2)  # two and a half
+        got = [t["rank"] for t in c.get(f"/api/v1/runs/{rid}/traces")["traces"] if t["rank"] >= 0]
+    assert got[:2] == [0, 1] and 2 not in got and 3 not in got

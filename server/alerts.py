@@ -7,7 +7,10 @@ detection never storms. ``dedup_key`` = kind:series:metric:first-bad, unique: a 
 resolved by hand is not raised again; a new regression of the same series later is.
 
 Regression alerts carry ``cause`` and ``diff`` (``analysis.explain``, computed by ``reports.regressions``) in
-their ``details``; the reads show them as top-level keys, with the one-sentence ``explanation``.
+their ``details``; the reads show them as top-level keys, with the one-sentence ``explanation``. So do
+``straggler`` alerts (the component of the straggler's excess work; the rank versus its peers).
+Within-run detection (a run's steps) raises ``step_time_shift``, ``straggler`` (one per run) and
+``slow_node`` (one per (run, node) the network analysis calls slow) alerts.
 
 ``AlertWorker`` runs detection on a background thread after compaction passes (throttled) and hands
 new and resolved alerts to the notifier — ingest never waits on it and never sees its errors.
@@ -158,6 +161,8 @@ class AlertWorker:
                 st = reports.straggler_finding(self.engine, rid)
                 events += sync(self.engine, [st] if st else [], {series_key("stragglers", rid)},
                                public_url=self.public_url)
+                sn, sn_series = reports.slow_node_findings(self.engine, rid)
+                events += sync(self.engine, sn, sn_series, public_url=self.public_url)
         if bench or everything:
             found, evaluated = reports.benchmark_regressions(self.engine, series_ids=None if everything else sorted(bench))
             events += sync(self.engine, found, evaluated, public_url=self.public_url)

@@ -25,12 +25,14 @@ _KIND_TITLE = {
     "benchmark": "Benchmark regression",
     "step_time_shift": "Step time shift within a run",
     "straggler": "Straggler",
+    "slow_node": "Slow node",
 }
 _METRIC_NAME = {
     "tokens_per_s_per_gpu": "tokens/s per GPU",
     "step_s": "step time",
     "mfu": "MFU",
     "straggler_slowdown": "slowest rank's work vs the median rank",
+    "node_network_slowdown": "node's collectives vs the median rank",
 }
 
 
@@ -119,6 +121,18 @@ def _context(alert: dict[str, Any]) -> str:
             parts.append(f"*Node:* {_esc(d['node'])} — all {len(d.get('node_ranks') or [])} of its ranks straggle")
         elif (d.get("stragglers") or 0) > 1:
             parts.append(f"*Stragglers:* {d['stragglers']} ranks: {', '.join(map(str, d.get('ranks') or []))}")
+    elif alert["kind"] == "slow_node":
+        ratios = []
+        if d.get("busbw_ratio") is not None:
+            ratios.append(f"busbw {100 * float(d['busbw_ratio']):.0f} % of the median rank's")
+        if d.get("latency_ratio") is not None:
+            ratios.append(f"latency {float(d['latency_ratio']):.2f}x")
+        parts.append(f"*Run:* {alert.get('run_id')} — node {_code(d.get('node'))} is slow on the network"
+                     + (f" ({', '.join(ratios)})" if ratios else ""))
+        rk = d.get("ranks") or []
+        more = max(0, int(d.get("node_ranks") or len(rk)) - len(rk))
+        parts.append(f"*Ranks:* {', '.join(_esc(r) for r in rk)}" + (f" and {more} more" if more else "")
+                     + (f" — {_esc(d['slow_ranks'])} slow" if d.get("slow_ranks") is not None else ""))
     else:
         parts.append(f"*Run:* {alert.get('run_id')} — first slow step {fb.get('step')}")
     return "\n".join(parts)

@@ -159,19 +159,22 @@ class LiveServer:
 
 
 def start_server(db_url: str, **overrides: Any) -> LiveServer:
-    """Start the real app with uvicorn in a thread on a free loopback port."""
+    """Start the real app with uvicorn in a thread on a free loopback port, configured as ``fleetscope
+    serve`` configures it (``server.serve.uvicorn_config``: uvicorn's own proxy-header handling off)."""
     import uvicorn
     from fleetscope.server.auth import create_token
+    from fleetscope.server.serve import uvicorn_config
     from fleetscope.server.settings import Settings
 
     from fleetscope.webapp import create_web_app
 
-    params: dict[str, Any] = {"database_url": db_url, "compact_interval_s": 0.2, "compact_grace_s": 1.0}
+    port = free_port()
+    params: dict[str, Any] = {"database_url": db_url, "port": port, "compact_interval_s": 0.2, "compact_grace_s": 1.0}
     params.update(overrides)
     settings = Settings(**params)
     app = create_web_app(settings)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(app, settings, host="127.0.0.1", log_level="warning",
+                                          timeout_graceful_shutdown=None))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     t = threading.Thread(target=server.run, daemon=True)
     t.start()

@@ -172,6 +172,14 @@ def _why(a: dict[str, Any]) -> list[Any]:
         out.append(simple_table([f"component ({'per 1k tokens' if cause.get('basis') == 'per_1k_tokens' else 'per step'})",
                                  "before", "after", "share of change"], rows, numeric=(1, 2, 3), tid=CAUSE))
     diff = a.get("diff") or {}
+    if diff.get("kind") == "rank_vs_peers":  # a straggler: its rank against its peers (docs/api.md)
+        dev = diff.get("device") if isinstance(diff.get("device"), list) else [None, None]
+        prow = [["node", _s(diff.get("node")), f"{_s(diff.get('nodes'))} nodes"],
+                ["local_rank", _s(diff.get("local_rank")), "–"], ["device", _s(dev[1]), _s(dev[0])],
+                ["its node's stragglers", f"{_s(diff.get('node_straggler_ranks'))} of {_s(diff.get('node_ranks'))}", "–"],
+                ["tokens vs median rank", _s(diff.get("tokens_ratio")), "1"]]
+        out.append(simple_table([f"rank {_s(diff.get('rank'))}", "this rank", "peers"], prow, tid=DIFF))
+        return out
     rows = [[k, _s(diff[k][0]), _s(diff[k][1])] for k in ("commit", "world_size", "nodes", "device_type", "mp_size")
             if isinstance(diff.get(k), list) and len(diff[k]) == 2 and diff[k][0] != diff[k][1]]
     rows += [[f"config.{k}", _s(v[0]), _s(v[1])] for k, v in (diff.get("config") or {}).items()]

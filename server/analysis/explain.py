@@ -12,6 +12,11 @@ changed between the last good and the first bad run. Pure: figures and rows in, 
   meta keys whose values differ, the commit, world size, device type, model-parallel size, node
   count and the nodes added and removed, at most ``MAX_DIFF_KEYS`` keys (``truncated`` counts the
   rest).
+* **straggler cause and diff** (:func:`straggler_cause`, :func:`rank_diff`) — for a straggler alert:
+  the component (data, compute, other) of the straggler's excess work over the median rank
+  (``analysis.stragglers``), ``before`` = the median rank's seconds per step, ``after`` = before + the
+  straggler's mean excess per step; and what differs for that rank versus its peers (node, host,
+  local rank, device, how many of its node's ranks straggle, its token share when known).
 * :func:`explanation` says both in one sentence (Slack, the Regressions page).
 """
 
@@ -38,6 +43,8 @@ __all__ = [
     "cause_of_runs",
     "cause_of_steps",
     "run_diff",
+    "straggler_cause",
+    "rank_diff",
     "explanation",
     "metric_label",
     "format_metric",
@@ -249,6 +256,76 @@ def cause_of_steps(columns: Mapping[str, np.ndarray], index: int) -> dict[str, A
     return cause(side(0, index), side(index, n))
 
 
+#: a straggler's excess work by component (``analysis.stragglers``): name -> the decomposition key of the
+#: median rank's level. No comm: a straggler is found by its work (step − exposed comm); a slow network
+#: is the ``slow_node`` alert's
+STRAGGLER_COMPONENTS = (("data", "data_s"), ("compute", "compute_s"), ("other", "other_s"))
+
+
+def straggler_cause(item: Mapping[str, Any], median: Mapping[str, float | None]) -> dict[str, Any] | None:
+    """The component that makes a straggler slow, from its straggler-report ``item`` (``component_excess_s``:
+    Σ over its steps of its component − the step's median rank's, and ``steps``) and the run's median-rank
+    levels per step (``median``: ``data_s``, ``compute_s``, ``other_s``, from the run figures):
+    ``before`` = the median rank's seconds per step, ``after`` = before + the straggler's mean excess per
+    step, ``share_of_change`` = that excess / the straggler's total excess (data + compute + other).
+    None when the rank has no positive excess."""
+    ex = item.get("component_excess_s") or {}
+    steps = int(item.get("steps") or 0)
+    if steps <= 0:
+        return None
+    per = {c: float(ex.get(c) or 0.0) / steps for c, _ in STRAGGLER_COMPONENTS}
+    total = sum(per.values())
+    top = max(per, key=lambda c: (per[c], c))
+    if total <= 0 or per[top] <= 0:
+        return None
+    comps: dict[str, dict[str, float | None]] = {}
+    for c, key in STRAGGLER_COMPONENTS:
+        b = median.get(key)
+        b = float(b) if b is not None and math.isfinite(float(b)) else None
+        comps[c] = {"before": b, "after": b + per[c] if b is not None else None, "excess_s": per[c],
+                    "share_of_change": per[c] / total}
+    return {"component": top, "label": top, **comps[top], "basis": "rank_vs_median", "rank": item.get("rank"),
+            "slowdown": item.get("slowdown"), "excess_s": total, "steps": steps, "components": comps}
+
+
+def rank_diff(item: Mapping[str, Any], placement: Mapping[int, tuple[Any, Any, Any, Any]],
+              straggler_ranks: Sequence[int], *, tokens: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What differs for a straggler's rank versus its peers, only from what the server has:
+    ``placement`` = {rank: (host, node, local_rank, device)} (the ``ranks`` table), the run's
+    ``straggler_ranks`` and its token balance (``analysis.tokens``, when the run reported tokens).
+    ``device``: ``[the peers' most common device, this rank's]``; ``node_ranks`` / ``node_straggler_ranks``:
+    the ranks on its node and how many of them straggle; ``tokens_ratio``: its tokens over the median
+    rank's (when it is the heaviest or the slowest rank of the balance) and ``modalities``: the modalities
+    it gets the most of (ratio to the median rank)."""
+    rank = int(item["rank"])
+    host, node, local_rank, device = placement.get(rank, (item.get("host"), item.get("node"), None, None))
+    node = node or host
+    peers = [p for r, p in placement.items() if r != rank]
+    devs: dict[str, int] = {}
+    for p in peers:
+        if p[3]:
+            devs[str(p[3])] = devs.get(str(p[3]), 0) + 1
+    peer_dev = max(devs, key=lambda d: (devs[d], d)) if devs else None
+    on_node = sorted(r for r, p in placement.items() if node and (p[1] or p[0]) == node)
+    strag = set(int(r) for r in straggler_ranks)
+    out: dict[str, Any] = {
+        "kind": "rank_vs_peers", "rank": rank, "host": host, "node": node, "local_rank": local_rank,
+        "device": [peer_dev, device] if device is not None or peer_dev is not None else None,
+        "nodes": len({p[1] or p[0] for p in placement.values() if p[1] or p[0]}), "ranks": len(placement),
+        "node_ranks": len(on_node), "node_straggler_ranks": sum(1 for r in on_node if r in strag),
+        "node_flagged": bool(item.get("node_flagged")), "tokens_ratio": None, "modalities": {},
+    }
+    if tokens:
+        for k in ("heaviest_rank", "slowest_rank"):
+            t = tokens.get(k) or {}
+            if t.get("rank") == rank and t.get("tokens_ratio") is not None:
+                out["tokens_ratio"] = float(t["tokens_ratio"])
+        mods = {str(m): float(v["ratio"]) for m, v in (tokens.get("modalities") or {}).items()
+                if v.get("max_rank") == rank and v.get("ratio") is not None}
+        out["modalities"] = dict(sorted(mods.items())[:MAX_HOSTS])
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ diff
 
 
@@ -347,6 +424,8 @@ def explanation(metric: str, change: float | None, before: float | None, after: 
     None when the alert has neither a cause nor a diff."""
     if not cause and not diff:
         return None
+    if (cause or {}).get("basis") == "rank_vs_median" or (diff or {}).get("kind") == "rank_vs_peers":
+        return _straggler_sentence(cause, diff, esc)
     head = ""
     if metric != "step_s" and change is not None:
         head = f"{esc(metric_label(metric))} {_pct(change)} ({format_metric(before, unit, metric)} → " \
@@ -375,3 +454,37 @@ def explanation(metric: str, change: float | None, before: float | None, after: 
         else:
             parts.append("no config, commit, scale, node or version change recorded")
     return "; ".join(p for p in parts if p)
+
+
+def _straggler_sentence(cause: Mapping[str, Any] | None, diff: Mapping[str, Any] | None,
+                        esc: Callable[[str], str]) -> str:
+    """e.g. "rank 9's work is 1.28x the median rank's: compute explains 97 % of its excess (120 ms → 151 ms
+    per step); rank 9 is on node0001 (local_rank 1), 1 of its node's 8 ranks straggles"."""
+    parts = []
+    if cause:
+        sd = cause.get("slowdown")
+        who = f"rank {cause.get('rank')}'s work" + (f" is {float(sd):.2f}x the median rank's" if sd else "")
+        b, a = cause.get("before"), cause.get("after")
+        lvl = f"{_fmt_s(b)} → {_fmt_s(a)} per step" if b is not None and a is not None \
+            else f"+{_fmt_s(cause.get('excess_s') or 0.0)} per step"
+        parts.append(f"{who}: {esc(str(cause.get('label') or cause['component']))} explains "
+                     f"{100 * cause['share_of_change']:.0f} % of its excess ({lvl})")
+    if diff:
+        where = f"rank {diff.get('rank')} is on {esc(str(diff.get('node') or diff.get('host') or 'an unknown node'))}"
+        extra = []
+        if diff.get("local_rank") is not None:
+            extra.append(f"local_rank {esc(str(diff['local_rank']))}")
+        dev = diff.get("device")
+        if isinstance(dev, list) and len(dev) == 2 and dev[1] is not None and dev[0] is not None and dev[0] != dev[1]:
+            extra.append(f"device {esc(str(dev[1]))} while its peers have {esc(str(dev[0]))}")
+        if extra:
+            where += f" ({', '.join(extra)})"
+        n, k = diff.get("node_ranks") or 0, diff.get("node_straggler_ranks") or 0
+        if n:
+            where += f", {k} of its node's {n} ranks straggle" + (" (the node is the cause)" if diff.get("node_flagged") else "")
+        if diff.get("tokens_ratio") is not None:
+            where += f", it gets {float(diff['tokens_ratio']):.2f}x the median rank's tokens"
+        for m, r in (diff.get("modalities") or {}).items():
+            where += f", {float(r):.2f}x the median rank's {esc(str(m))} tokens"
+        parts.append(where)
+    return "; ".join(parts)

@@ -54,6 +54,7 @@ __all__ = [
     "benchmark_regressions",
     "step_shift_regression",
     "straggler_finding",
+    "slow_node_findings",
     "check_verdict",
     "higher_is_better_unit",
     "series_key",
@@ -359,6 +360,46 @@ def straggler_finding(run_id: int, rep: dict[str, Any] | None) -> Regression | N
                  "component": top.get("component"), "lost_s": top.get("lost_s"),
                  "fleet_lost_share": rep.get("fleet_lost_share"), "threshold": rep["threshold"]},
     )
+
+
+MAX_ALERT_RANKS = 64  # ranks an alert's details list
+
+
+def slow_node_findings(run_id: int, network: dict[str, Any] | None, hosts: Mapping[int, tuple[str | None, str | None]],
+                       *, steps: int) -> tuple[list[Regression], set[str]]:
+    """One ``slow_node`` finding per node the run's network analysis (``analysis.network``, the summary's
+    ``network``) calls slow, and the series evaluated: one per (run, node) of the run's nodes, so a node
+    that is no longer slow resolves and ``dedup_key`` is unique per (run, node). ``after`` = the node's
+    network slowdown: the larger of 1 / busbw_ratio and latency_ratio (the time its collectives take over
+    the time the median rank's speed would take). Nothing is evaluated before ``STRAGGLER_MIN_STEPS``
+    compacted steps or when nothing was measured (collective blocks gone): alerts stay as they are."""
+    if not network or network.get("source") is None or steps < STRAGGLER_MIN_STEPS:
+        return [], set()
+    ranks_of: dict[str, list[int]] = {}
+    host_of: dict[str, str | None] = {}
+    for rank, (host, node) in hosts.items():
+        if node or host:
+            ranks_of.setdefault(str(node or host), []).append(int(rank))
+            host_of.setdefault(str(node or host), host)
+    evaluated = {series_key("slow_node", run_id, n) for n in ranks_of}
+    found: list[Regression] = []
+    for sn in network.get("slow_nodes") or []:
+        node = str(sn["node"])
+        b, lat = sn.get("busbw_ratio"), sn.get("latency_ratio")
+        slow = max(1.0 / b if b else 1.0, float(lat) if lat else 1.0)
+        on = sorted(ranks_of.get(node, []))
+        found.append(Regression(
+            kind="slow_node", series=series_key("slow_node", run_id, node), metric="node_network_slowdown", unit="x",
+            before=1.0, after=slow, change=slow - 1.0, significance=None,
+            first_bad={"run_id": run_id, "node": node, "host": host_of.get(node)},
+            run_id=run_id, url_path=f"/runs/{run_id}",
+            details={"node": node, "host": host_of.get(node), "busbw_ratio": b, "latency_ratio": lat,
+                     "ranks": on[:MAX_ALERT_RANKS], "node_ranks": len(on), "measured_ranks": sn.get("ranks"),
+                     "slow_ranks": sn.get("slow_ranks"), "slow_nodes": network.get("slow_nodes_total"),
+                     "steps_sampled": network.get("steps_sampled"), "source": network.get("source"),
+                     "thresholds": network.get("thresholds")},
+        ))
+    return found, evaluated
 
 
 def _baseline(runs: Sequence[RunWithFigures], run: RunRow) -> tuple[list[RunWithFigures], str]:

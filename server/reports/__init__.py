@@ -48,6 +48,7 @@ from .regressions import (
     get_alert,
     list_alerts,
     run_series_regressions,
+    slow_node_findings,
     step_shift_regression,
     straggler_finding,
 )
@@ -82,6 +83,6 @@ __all__ = [
     # across runs
     "fleet_rows", "families", "run_options", "compare_runs", "compare_view", "scaling", "scaling_view",
     # regressions, alerts, benchmarks
-    "run_series_regressions", "benchmark_regressions", "step_shift_regression", "straggler_finding", "check_run",
+    "run_series_regressions", "benchmark_regressions", "step_shift_regression", "straggler_finding", "slow_node_findings", "check_run",
     "list_alerts", "get_alert", "alerts_view", "alert_series", "benchmark_series", "benchmarks_view",
 ]  # fmt: skip

@@ -25,7 +25,7 @@ from ..store import ranks
 from ..store.rows import RunRow
 from . import _cache
 
-__all__ = ["run_network", "sample_plan", "SAMPLE_STEPS", "SAMPLE_RECORDS", "MIN_SAMPLE_STEPS"]
+__all__ = ["run_network", "network_findings", "sample_plan", "SAMPLE_STEPS", "SAMPLE_RECORDS", "MIN_SAMPLE_STEPS"]
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +51,25 @@ def _health(engine: Engine, run: RunRow) -> tuple[NetworkHealth, dict[int, tuple
     return network_health(blocks, hosts), hosts, src if blocks else None
 
 
+def _cached_health(engine: Engine, run: RunRow) -> tuple[NetworkHealth, dict[int, tuple[str | None, str | None]],
+                                                          str | None]:
+    return _cache.cached("network_health", engine, run, lambda: _health(engine, run))
+
+
+def network_findings(engine: Engine, run: RunRow) -> tuple[dict[str, Any], dict[int, tuple[str | None, str | None]]]:
+    """(the summary's ``network`` of ``run``, its {rank: (host, node)}) for the alert worker's ``slow_node``
+    alerts: the same health (cached per run version) without storing node rows — those are the
+    summary's and ``GET /api/v1/nodes``' to write."""
+    h, hosts, src = _cached_health(engine, run)
+    return summary_network(h, source=src), hosts
+
+
 def run_network(engine: Engine, run: RunRow, stragglers: dict[str, Any] | None) -> dict[str, Any]:
     """The summary's ``network`` of ``run`` (``stragglers``: its straggler report, counted into the node
     rows); computed once per run version and process, which also stores the run's node health rows."""
 
     def compute() -> dict[str, Any]:
-        h, hosts, src = _health(engine, run)
+        h, hosts, src = _cached_health(engine, run)
         try:
             save_health(engine, run, h, hosts, stragglers, measured=src is not None)
         except SQLAlchemyError:  # the node history is kept best-effort: the summary never fails for it

@@ -18,13 +18,16 @@ from ..store import alert_inputs, alerts, benchmarks, collectives, steps
 from ..store import runs as run_store
 from ..store.rows import RunRow
 from . import _cache
+from .network import network_findings
 from .runs import figures, stragglers, with_figures
+from .tokens import run_token_balance
 
 __all__ = [
     "run_series_regressions",
     "benchmark_regressions",
     "step_shift_regression",
     "straggler_finding",
+    "slow_node_findings",
     "check_run",
     "list_alerts",
     "get_alert",
@@ -110,8 +113,36 @@ def step_shift_regression(engine: Engine, run_id: int) -> rg.Regression | None:
 
 
 def straggler_finding(engine: Engine, run_id: int) -> rg.Regression | None:
-    """A run with persistent stragglers: one alert per run naming the worst rank or node."""
-    return rg.straggler_finding(run_id, stragglers(engine, run_id))
+    """A run with persistent stragglers: one alert per run naming the worst rank or node, with
+    ``details.cause`` (the component of the worst straggler's excess work, ``explain.straggler_cause``)
+    and ``details.diff`` (that rank versus its peers, ``explain.rank_diff``)."""
+    run = run_store.get_run(engine, run_id, pending=False)
+    if run is None:
+        return None
+    rep = stragglers(engine, run_id)
+    reg = rg.straggler_finding(run_id, rep)
+    if reg is None or rep is None:
+        return reg
+    top = next((s for s in rep["stragglers"] if s["rank"] == reg.first_bad.get("rank")), None)
+    if top is None:
+        return reg
+    fig = figures(engine, [run])[run.id]
+    reg.details["cause"] = explain.straggler_cause(top, fig.decomposition)
+    tokens = run_token_balance(engine, run) if fig.tokens_per_rank_step else None
+    reg.details["diff"] = explain.rank_diff(top, alert_inputs.rank_placement(engine, run_id),
+                                            [s["rank"] for s in rep["stragglers"] if s["kind"] == "persistent"],
+                                            tokens=tokens)
+    return reg
+
+
+def slow_node_findings(engine: Engine, run_id: int) -> tuple[list[rg.Regression], set[str]]:
+    """The run's network-slow nodes (the summary's ``network.slow_nodes``) as ``slow_node`` findings, one
+    per (run, node), and the per-(run, node) series evaluated (``analysis.regressions.slow_node_findings``)."""
+    run = run_store.get_run(engine, run_id, pending=False)
+    if run is None:
+        return [], set()
+    net, hosts = network_findings(engine, run)
+    return rg.slow_node_findings(run_id, net, hosts, steps=run.steps)
 
 
 def check_run(engine: Engine, run_id: int, *, max_baseline: int = 20) -> dict[str, Any] | None:

@@ -22,7 +22,7 @@ RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
 def get_alerts(
     st: State,
     state: Annotated[str | None, Query(pattern="^(firing|resolved|acknowledged)$")] = None,
-    kind: Annotated[str | None, Query(pattern="^(run_series|benchmark|step_time_shift|straggler)$")] = None,
+    kind: Annotated[str | None, Query(pattern="^(run_series|benchmark|step_time_shift|straggler|slow_node)$")] = None,
     run_id: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 500,
 ) -> Any:

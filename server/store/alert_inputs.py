@@ -10,7 +10,7 @@ from sqlalchemy import Engine, text
 
 from fleetscope.wire import COLLECTIVE_OPS
 
-__all__ = ["CollectiveSum", "collective_sums", "run_nodes", "step_components_tail"]
+__all__ = ["CollectiveSum", "collective_sums", "run_nodes", "rank_placement", "step_components_tail"]
 
 #: (op, group size, dimension name or None, bytes, total seconds, exposed seconds), summed over the
 #: run's records (every rank and step) of that op, group size and dimension
@@ -48,6 +48,15 @@ def run_nodes(engine: Engine, run_ids: Sequence[int]) -> dict[int, list[str]]:
             {"ids": list(run_ids)},
         ).fetchall()
     return {int(rid): list(nodes) for rid, nodes in rows}
+
+
+def rank_placement(engine: Engine, run_id: int) -> dict[int, tuple[str | None, str | None, int | None, str | None]]:
+    """{rank: (host, node else host, local_rank, device)} of the run's ranks that reported where they run
+    (what a straggler alert's diff compares the straggler with its peers on)."""
+    with engine.connect() as c:
+        rows = c.execute(text("SELECT rank, host, node, local_rank, device FROM ranks WHERE run_id = :id"),
+                         {"id": run_id}).fetchall()
+    return {int(r): (h, n or h, int(lr) if lr is not None else None, d) for r, h, n, lr, d in rows}
 
 
 STEP_COMPONENTS = ("step_s", "data_s", "compute_s", "comm_exposed_s", "other_s")

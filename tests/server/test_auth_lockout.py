@@ -8,42 +8,16 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from conftest import LiveServer, free_port
+from conftest import LiveServer, start_server
 from fleetscope.server.db import EmbeddedPostgres
 
 REG = {"name": "lockout", "model_family": "f", "world_size": 1}
-
-
-def _start(db_url: str, **overrides: Any) -> LiveServer:
-    import uvicorn
-    from fleetscope.server.auth import create_token
-    from fleetscope.server.serve import uvicorn_config
-    from fleetscope.server.settings import Settings
-
-    from fleetscope.webapp import create_web_app
-
-    port = free_port()
-    settings = Settings(database_url=db_url, port=port, compact_interval_s=0.2, **overrides)
-    app = create_web_app(settings)
-    server = uvicorn.Server(uvicorn_config(app, settings, log_level="warning"))
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not t.is_alive():
-            raise RuntimeError("test server did not start")
-        time.sleep(0.02)
-    token = create_token(app.state.fs.engine, f"test-{port}", scope="admin")
-    return LiveServer(f"http://127.0.0.1:{port}", app, token, db_url, server, t)
 
 
 @pytest.fixture
@@ -51,7 +25,7 @@ def server_factory(db_url: str) -> Iterator[Any]:
     started: list[LiveServer] = []
 
     def make(**overrides: Any) -> LiveServer:
-        srv = _start(db_url, **overrides)
+        srv = start_server(db_url, **overrides)
         started.append(srv)
         return srv
 
@@ -128,7 +102,7 @@ def test_healthz_and_every_route_answer_503_with_retry_after_while_postgres_is_d
     url = pg.start()
     srv = None
     try:
-        srv = _start(url)
+        srv = start_server(url)
         with httpx.Client(base_url=srv.url, timeout=30) as c:
             assert c.get("/healthz").status_code == 200
             pg.stop()

@@ -84,7 +84,7 @@ class StepMachine:
         "_errors_logged", "_hooks", "_tracer", "_event_seq",
         "_clock", "_mark", "_cpu", "_nsteps", "_next_index",
         "_mem", "_mem_every", "_mem_interval", "_mem_next", "_mem_val",
-        "_tid", "_step", "_stack", "_cur", "_fast", "_durs", "_zeros", "_t0", "_last", "_in_coll",
+        "_tid", "_step", "_spare", "_stack", "_cur", "_fast", "_durs", "_zeros", "_t0", "_last", "_in_coll",
         "_gap", "_state_names", "_flops_per_step", "_flops_per_token", "_flops_given", "_flop_meter",
         "_flop_watch", "_collectives_installed", "_collectives_tried", "_flop_rates", "_flop_split",
         "_flop_source", "_flop_mp", "_flop_probe", "_flop_probe_tries", "_flop_info",
@@ -145,6 +145,9 @@ class StepMachine:
         # state machine of the training thread
         self._tid = _get_ident()
         self._step: StepData | None = None
+        # the last host-clock step's StepData once submitted (step_end.end_fast), which the next
+        # Step.__enter__ reuses instead of allocating one per step
+        self._spare: StepData | None = None
         self._stack: list[int] = []
         self._cur = OTHER
         # host clock: per-state accumulators of the open step (see BIG), its first and last marks

@@ -2,7 +2,8 @@
 place a ``rank_step`` record (and its ``modality_tokens``) is built.
 
 ``end_fast`` is the common end, inlined: host clock, no FLOP counting, no sampled tracing (the
-state ``Step``/``Phase`` keep in ``run._fast``); ``end`` is every other end (FLOP counting, tracing,
+state ``Step``/``Phase`` keep in ``run._fast``; ``Step.__exit__`` carries a copy of it, one call less
+per step, and its StepData is kept in ``run._spare`` for the next step); ``end`` is every other end (FLOP counting, tracing,
 automatic mode, CUDA). A host-clock step is submitted at once (``submit_step``); a CUDA step waits in
 ``run._pending`` until its events completed (pending.py) and ``drain`` submits it. Both ends reach
 ``record``; tests/agent/test_step_record.py checks that they emit identical records.
@@ -15,16 +16,12 @@ from functools import partial
 from .machine import StepMachine
 from .protocols import Mark
 from .step_state import (
-    BACKWARD,
     BIG,
     COMM,
-    DATA,
     FIRST_CUSTOM,
     FLAG_NEGATIVE_RESIDUAL,
-    FORWARD,
     MASK,
     NONE4,
-    OPTIMIZER,
     OTHER,
     StepData,
 )  # fmt: skip
@@ -64,6 +61,7 @@ def end_fast(run: StepMachine, st: StepData) -> None:
         return
     # the common case of _submit_step, inlined: the step's own calls, host clock, no DDP tail
     record(run, st, durs, m - t0, run._colls.emit_cpu(st, t0, m, durs) if st.calls else 0, 0)
+    run._spare = st  # submitted, referenced nowhere else: the next Step.__enter__ reuses it
 
 
 def end(run: StepMachine) -> None:
@@ -141,18 +139,18 @@ def submit_step(run: StepMachine, st: StepData, durs: list[int], step_ns: int, o
 def record(run: StepMachine, st: StepData, durs: list[int], step_ns: int, comm_total_ns: int, flags: int) -> None:
     """Build and submit the step's ``rank_step`` record (wire.RANK_STEP_FIELDS order) and its
     ``modality_tokens``: the only place either is built."""
-    data = durs[DATA]
-    fwd = durs[FORWARD]
-    bwd = durs[BACKWARD]
-    opt = durs[OPTIMIZER]
-    comm = durs[COMM]
+    custom = len(durs) > FIRST_CUSTOM
+    if custom:
+        _, data, fwd, bwd, opt, comm = durs[:FIRST_CUSTOM]
+    else:  # one UNPACK_SEQUENCE instead of five subscripts (states 0..5: step_state)
+        _, data, fwd, bwd, opt, comm = durs
     data_ns = data & MASK
     fwd_ns = fwd & MASK
     bwd_ns = bwd & MASK
     opt_ns = opt & MASK
     comm_ns = comm & MASK
     compute_ns = fwd_ns + bwd_ns + opt_ns
-    if len(durs) > FIRST_CUSTOM:
+    if custom:
         for d in durs[FIRST_CUSTOM:]:
             compute_ns += d & MASK
     other_ns = step_ns - data_ns - compute_ns - comm_ns
@@ -208,7 +206,7 @@ def record(run: StepMachine, st: StepData, durs: list[int], step_ns: int, comm_t
     if st.modality:
         for name, v in st.modality.items():
             submit("modality_tokens", (rank, index, name, v))
-    if len(durs) > FIRST_CUSTOM:
+    if custom:
         names = run._state_names
         for i in range(FIRST_CUSTOM, len(durs)):
             d = durs[i] & MASK

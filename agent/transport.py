@@ -141,7 +141,8 @@ class Transport:
         """Queue one record (O(1), never blocks, never raises); dropped and counted when the queue is full."""
         try:
             q = self._queue
-            if len(q) >= self._cap:
+            n = len(q)
+            if n >= self._cap:
                 self._queue_full += 1
                 return
             if self._closed:
@@ -150,7 +151,7 @@ class Transport:
             q.append((kind, record))
             if self._thread is None:
                 self._start()
-            elif len(q) >= self._batch_max and not self._wake.is_set():
+            elif n >= self._batch_max - 1 and not self._wake.is_set():  # the queue holds n + 1 now
                 self._wake.set()
         except Exception:
             self._internal_error("submit")

@@ -99,6 +99,7 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
         dcc.Store(id=RUN, data=rid), dcc.Store(id=URL),
         page_header(run["name"], sub, right),
         _thinned_note(run.get("thinned")),
+        _folded_note(reports.run_folded(eng, rid)),
         loading(kpi_strip([], kid=KPIS)),
         section("Diagnosis", loading(html.Div(id=DIAGNOSIS))),
         section("Bottlenecks · Amdahl ceilings", loading(html.Div(id=BOTTLENECK_TEXT))),
@@ -140,6 +141,35 @@ def _thinned_note(thinned: dict[str, Any] | None) -> html.Div | None:
         parts.append(f"its per-rank data on {fmt_time(thinned['blocks'])}: the heatmap and per-rank collectives are empty")
     return html.Div("Retention removed " + "; and ".join(parts) + ". The run's figures and summary are kept.",
                     id="run-thinned", className="fs-thinned")
+
+
+#: the bounds of server/limits.py a run can exceed, as the note says them
+_FOLDED_WHAT = {
+    "phase_names": "phase records beyond the run's 32 custom phase names (added to other_phases)",
+    "collectives": "collective records beyond a rank-step's 8,192",
+    "node_names": "host / node names beyond the run's 32,768 (those ranks are kept without a name)",
+    "kernels": "named kernels beyond a trace's 1,000 (summed into others)",
+}
+
+
+@contained("bounds note")
+def _folded_note(folded: dict[str, Any] | None) -> html.Div | None:
+    """What the server folded or dropped to keep this run within its bounds (docs/security.md,
+    "Bounds on what a run stores"), above everything; None when nothing was."""
+    if not folded:
+        return None
+    parts = [f"{int(n):,} {_FOLDED_WHAT.get(k, k)}" for k, n in folded.items()
+             if k in _FOLDED_WHAT and isinstance(n, int) and n > 0]
+    dropped = folded.get("events_dropped") or {}
+    if dropped:
+        parts.append("events beyond the run's caps: " + ", ".join(f"{int(n):,} {k}" for k, n in list(dropped.items())[:8]))
+    cut = folded.get("events_folded") or {}
+    if cut:
+        parts.append("events stored shortened: " + ", ".join(f"{int(n):,} {k}" for k, n in list(cut.items())[:8]))
+    if not parts:
+        return None
+    return html.Div("To keep this run within the server's bounds it folded or left out: " + "; ".join(parts) + ".",
+                    id="run-folded", className="fs-thinned")
 
 
 def _findings(summary: dict[str, Any], ranking: list[dict[str, Any]]) -> list[str]:

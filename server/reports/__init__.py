@@ -63,6 +63,7 @@ from .runs import (
     run_collectives,
     run_compile,
     run_events,
+    run_folded,
     run_summary,
     run_traces,
     stragglers,
@@ -73,7 +74,7 @@ __all__ = [
     "clear_caches", "forget_run",
     # runs
     "get_run", "list_runs", "figures", "with_figures", "run_summary", "bottlenecks", "stragglers",
-    "collective_efficiency", "run_collectives", "goodput", "run_events", "run_traces", "database_ok",
+    "collective_efficiency", "run_collectives", "goodput", "run_events", "run_folded", "run_traces", "database_ok",
     "run_compile", "run_kernels", "run_overlap",
     # nodes across runs
     "node_list", "node_detail",

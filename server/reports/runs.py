@@ -207,7 +207,7 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
         "overlap_advice": consistent_overlap_advice(raw_advice, diag),
         # records folded or dropped to keep server/limits.py's bounds: {bound: n} and, per event kind,
         # "events_dropped" / "events_folded" {kind: n}
-        "folded": {**bounds.folded(engine, run.id), **run_limits(engine, run.id)},
+        "folded": run_folded(engine, run.id),
         **par,
     }
 
@@ -328,9 +328,15 @@ def _stored_groups(engine: Engine, run_id: int, rows: list[events.GroupRow]) -> 
 
 
 def run_limits(engine: Engine, run_id: int) -> dict[str, dict[str, int]]:
-    """The summary's ``limits``: events dropped beyond the run's caps and events stored folded, per kind
-    (read fresh: events land after the steps that version the cached parts)."""
+    """Events dropped beyond the run's caps and events stored folded, per kind (read fresh: events land
+    after the steps that version the cached parts)."""
     return events.event_limits(engine, run_id)
+
+
+def run_folded(engine: Engine, run_id: int) -> dict[str, Any]:
+    """The summary's ``folded``: {bound: records folded or dropped} of server/limits.py's bounds, and
+    ``events_dropped`` / ``events_folded`` {kind: n} (two small indexed reads, never cached)."""
+    return {**bounds.folded(engine, run_id), **run_limits(engine, run_id)}
 
 
 def bottlenecks(engine: Engine, run_id: int) -> dict[str, Any] | None:

@@ -96,6 +96,17 @@ def test_100k_phase_names_across_batches_and_servers_fold_into_the_overflow_phas
                                 {"r": rid}).scalar()
         assert n_names == MAX_PHASE_NAMES_PER_RUN + 1 and kept == MAX_PHASE_NAMES_PER_RUN
         assert float(total) == pytest.approx(100.0, rel=1e-9)  # no second lost
+        # the run page says so, above everything
+        from fleetscope.dashboard import _state
+        from fleetscope.dashboard.pages import run as run_page
+
+        old = _state.engine
+        try:
+            _state.engine = lambda: live_server.state.engine  # type: ignore[assignment]
+            flat = str(run_page.layout(run_id=str(rid)).to_plotly_json())
+        finally:
+            _state.engine = old  # type: ignore[assignment]
+        assert "run-folded" in flat and f"{100_000 - MAX_PHASE_NAMES_PER_RUN:,} phase records beyond" in flat
     finally:
         other.stop()
 

@@ -193,7 +193,8 @@ def alert_series(engine: Engine, alert: dict[str, Any], *, max_points: int = 100
     By kind (``analysis.regressions``): ``run_series`` → the metric over the comparable runs
     (``details.runs``/``details.values``) in start order; ``benchmark`` → the benchmark's points;
     ``step_time_shift`` (or any ``first_bad.step``) → the run's step time (min/max reduced). Without
-    details: the metric over the family's runs of the same world size and device."""
+    details: the metric over the family's runs of the same world size and device; an alert on one run's
+    finding (``slow_node``, a straggler) otherwise → that run's step time, without a change point."""
     details = alert.get("details") or {}
     first_bad = alert.get("first_bad") or {}
     metric = alert.get("metric")
@@ -241,6 +242,12 @@ def alert_series(engine: Engine, alert: dict[str, Any], *, max_points: int = 100
             labels.append(f"{r.name} · {r.git_commit or 'no commit'}")
         return {"x": xs, "y": ys, "labels": labels, "change_index": change, "xlabel": "run start", "metric": metric,
                 "source": "family runs"}
+    if run_id:  # a run's own finding (a slow node, a straggler): the run's step time, for context
+        s = steps.load_steps(engine, int(run_id), ("step", "step_s"))
+        if len(s.steps):
+            red = minmax_series(s.steps, s["step_s"], max_points)
+            return {"x": red.x.tolist(), "y": red.y.tolist(), "labels": None, "change_x": None, "xlabel": "step",
+                    "metric": "step_s", "unit": "s", "factor": red.factor, "source": "run steps"}
     return None
 
 

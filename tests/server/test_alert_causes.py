@@ -95,6 +95,12 @@ def test_a_slow_node_raises_one_alert_naming_it_and_posts_it_to_slack(alert_serv
     assert len([m for m in slack.bodies if "Slow node" in m["text"]]) == 1
     assert a["dedup_key"].startswith("slow_node:") and a["dedup_key"].endswith(f":{slow_id}")
 
+    # the Regressions page draws it: the run's step time for context (no change point of its own)
+    from fleetscope.server import reports
+
+    ser = reports.alert_series(srv.state.engine, a)
+    assert ser is not None and ser["source"] == "run steps" and len(ser["y"]) > 0 and ser["change_x"] is None
+
 
 def test_a_compute_straggler_alert_says_compute_and_names_its_node(alert_server: Any, slack: Receiver) -> None:
     srv = alert_server

@@ -17,7 +17,7 @@ from typing import Any
 
 from . import step_state
 from .machine import StepMachine
-from .step_end import end, record, submit_step
+from .step_end import end, end_fast
 from .step_state import BIG, NONE4, OTHER, Count, StepData, Tokens
 
 __all__ = ["Step", "Phase", "PhaseTable"]
@@ -174,35 +174,7 @@ class Step:
             if et is not None:
                 run._abort()
             elif run._fast:
-                # step_end.end_fast, inlined (one Python call less on every step): keep the two alike
-                mark = run._mark
-                m = mark()
-                durs = run._durs
-                durs[run._cur] += m - run._last
-                run._step = None
-                run._fast = False
-                if run._stack:
-                    run._stack = []
-                run._cur = OTHER
-                index = st.index
-                run._next_index = index + 1
-                run._nsteps += 1
-                every = run._mem_every
-                if every and (every == 1 or index % every == 0):
-                    if m >= run._mem_next:  # see end_fast
-                        run._mem_next = m + run._mem_interval
-                        try:
-                            run._mem_val = run._mem.sample()
-                        except Exception as e:  # noqa: BLE001
-                            run._mem_val = NONE4
-                            run._error("memory", e)
-                    st.mem = run._mem_val
-                t0 = run._t0
-                if st.pre_calls or st.ddp or st.flops is not None:
-                    submit_step(run, st, durs, m - t0, t0, m)
-                    return None
-                record(run, st, durs, m - t0, run._colls.emit_cpu(st, t0, m, durs) if st.calls else 0, 0)
-                run._spare = st  # submitted, referenced nowhere else: the next __enter__ reuses it
+                end_fast(run, st)
             else:
                 end(run)
         except Exception as e:  # noqa: BLE001

@@ -2,8 +2,8 @@
 place a ``rank_step`` record (and its ``modality_tokens``) is built.
 
 ``end_fast`` is the common end, inlined: host clock, no FLOP counting, no sampled tracing (the
-state ``Step``/``Phase`` keep in ``run._fast``; ``Step.__exit__`` carries a copy of it, one call less
-per step, and its StepData is kept in ``run._spare`` for the next step); ``end`` is every other end (FLOP counting, tracing,
+state ``Step``/``Phase`` keep in ``run._fast``; its StepData is kept in ``run._spare`` for the next step);
+``end`` is every other end (FLOP counting, tracing,
 automatic mode, CUDA). A host-clock step is submitted at once (``submit_step``); a CUDA step waits in
 ``run._pending`` until its events completed (pending.py) and ``drain`` submits it. Both ends reach
 ``record``; tests/agent/test_step_record.py checks that they emit identical records.

@@ -61,7 +61,8 @@ class CollectiveStats:
         self.agg_threshold = agg_threshold
         self._submit = submit
 
-    def emit_cpu(self, st: StepData, origin: int, end_mark: int | None, durs: list[int] | None = None) -> int:
+    def emit_cpu(self, st: StepData, origin: int, end_mark: int | None, durs: list[int] | None = None,
+                 submit: Callable[[str, Any], None] | None = None) -> int:
         """The common case, inlined: host clock, no DDP buckets, at most ``agg_threshold`` calls, one
         record per call; returns the summed duration of the step's own calls (not the leftovers
         before it). The time of the step's K_FAST calls moves from their state to COMM in ``durs``."""
@@ -69,7 +70,8 @@ class CollectiveStats:
         n_pre = len(pre)
         rank = self.rank
         index = st.index
-        submit = self._submit
+        if submit is None:
+            submit = self._submit
         ts0 = st.ts
         comm_total = 0
         incomplete = 0

@@ -88,7 +88,7 @@ class StepMachine:
         "_gap", "_state_names", "_flops_per_step", "_flops_per_token", "_flops_given", "_flop_meter",
         "_flop_watch", "_collectives_installed", "_collectives_tried", "_flop_rates", "_flop_split",
         "_flop_source", "_flop_mp", "_flop_probe", "_flop_probe_tries", "_flop_info",
-        "_seq_hist", "_seq_steps",
+        "_seq_hist", "_seq_steps", "_defer",
     )  # fmt: skip
 
     def __init__(
@@ -122,6 +122,7 @@ class StepMachine:
         self._errors_logged: set[str] = set()
         self._submit = transport.submit
         self._colls = CollectiveStats(rank, transport.submit, self.counters, config.collective_aggregate_threshold)
+        self._defer = False  # Run: whether end_fast hands the step's records to the sender thread (step_end)
         self._pending = PendingSteps(config.max_pending_steps, self.counters)
         self._finished = False
         self._closed = False

@@ -15,13 +15,14 @@ import os
 import sys
 import threading
 import time
+from functools import partial
 from typing import Any
 
 from .config import AgentConfig
 from .machine import StepMachine
 from .protocols import StepTracer, Transport
 from .step import Phase, PhaseTable, Step
-from .step_end import drain
+from .step_end import DEFERRED_STEP, drain, expand_step
 from .step_state import (
     FIRST_CUSTOM,
     FLAG_FLOPS_MEASURED,
@@ -95,6 +96,12 @@ class Run(StepMachine):
         self._phases = PhaseTable(self._new_phase)
         self.phase = self._phases.__getitem__  # see the class docstring
         self._step_cm = Step(self, self.phase)
+        # A transport with ``expanders`` (transport.Transport) resolves the common step end on its sender
+        # thread: end_fast queues the step's raw marks, step_end.expand_step builds its records there
+        expanders = getattr(transport, "expanders", None)
+        if isinstance(expanders, dict):
+            expanders[DEFERRED_STEP] = partial(expand_step, self)
+            self._defer = True
         if config.trace_every_steps > 0:
             self._tracer = self._make_tracer(config.trace_every_steps, config.trace_active_steps)
 

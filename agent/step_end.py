@@ -11,7 +11,9 @@ automatic mode, CUDA). A host-clock step is submitted at once (``submit_step``);
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 from .machine import StepMachine
 from .protocols import Mark
@@ -26,7 +28,11 @@ from .step_state import (
     StepData,
 )  # fmt: skip
 
-__all__ = ["end_fast", "end", "submit_step", "record", "drain"]
+__all__ = ["end_fast", "end", "submit_step", "record", "drain", "expand_step", "DEFERRED_STEP"]
+
+DEFERRED_STEP = "_step"
+"""Queue kind of a step whose records the sender thread builds (``expand_step``): ``end_fast``'s common
+case when the run's transport takes it (``Run._defer``)."""
 
 
 def end_fast(run: StepMachine, st: StepData) -> None:
@@ -59,9 +65,26 @@ def end_fast(run: StepMachine, st: StepData) -> None:
     if st.pre_calls or st.ddp or st.flops is not None:
         submit_step(run, st, durs, m - t0, t0, m)
         return
-    # the common case of _submit_step, inlined: the step's own calls, host clock, no DDP tail
+    # the common case of _submit_step: the step's own calls, host clock, no DDP tail
+    if run._defer:
+        # queue the raw marks; the sender thread builds the records (expand_step), off this thread
+        run._submit(DEFERRED_STEP, (st, durs[:], m - t0, t0, m))
+        return
     record(run, st, durs, m - t0, run._colls.emit_cpu(st, t0, m, durs) if st.calls else 0, 0)
     run._spare = st  # submitted, referenced nowhere else: the next Step.__enter__ reuses it
+
+
+def expand_step(run: StepMachine, raw: tuple[StepData, list[int], int, Mark, Mark],
+                submit: Callable[[str, Any], None]) -> None:
+    """On the sender thread: the records of a step ``end_fast`` queued (``DEFERRED_STEP``), built by
+    the same code as on the training thread and handed to ``submit``. The StepData is then offered
+    back for reuse (the training thread takes ``run._spare`` and clears it; a step it did not take is
+    garbage, never shared)."""
+    st, durs, step_ns, t0, m = raw
+    comm = run._colls.emit_cpu(st, t0, m, durs, submit) if st.calls else 0
+    record(run, st, durs, step_ns, comm, 0, submit)
+    if run._spare is None:
+        run._spare = st
 
 
 def end(run: StepMachine) -> None:
@@ -136,9 +159,11 @@ def submit_step(run: StepMachine, st: StepData, durs: list[int], step_ns: int, o
     record(run, st, durs, step_ns, comm_total_ns, flags)
 
 
-def record(run: StepMachine, st: StepData, durs: list[int], step_ns: int, comm_total_ns: int, flags: int) -> None:
+def record(run: StepMachine, st: StepData, durs: list[int], step_ns: int, comm_total_ns: int, flags: int,
+           submit: Callable[[str, Any], None] | None = None) -> None:
     """Build and submit the step's ``rank_step`` record (wire.RANK_STEP_FIELDS order) and its
-    ``modality_tokens``: the only place either is built."""
+    ``modality_tokens``: the only place either is built. ``submit``: where they go (default the
+    run's transport; ``expand_step`` passes the sender thread's batch)."""
     custom = len(durs) > FIRST_CUSTOM
     if custom:
         _, data, fwd, bwd, opt, comm = durs[:FIRST_CUSTOM]
@@ -175,7 +200,8 @@ def record(run: StepMachine, st: StepData, durs: list[int], step_ns: int, comm_t
     mem = st.mem
     rank = run.rank
     index = st.index
-    submit = run._submit  # a slot holding a bound method: LOAD_ATTR, not an unspecialized LOAD_METHOD
+    if submit is None:
+        submit = run._submit  # a slot holding a bound method: LOAD_ATTR, not an unspecialized LOAD_METHOD
     submit(
         "rank_step",
         (

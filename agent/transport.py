@@ -19,6 +19,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from .api_client import Client, LogOnce, Payload
@@ -74,6 +75,9 @@ class Transport:
             segment_max_bytes=config.spool_segment_max_bytes,
         )
         self._closed = False
+        self.expanders: dict[str, Callable[[Any, Callable[[str, object], None]], None]] = {}
+        """Queue kinds whose item the sender thread turns into records (kind -> fn(item, submit)): the
+        run's step end queues raw marks (step_end.DEFERRED_STEP) and its records are built here."""
         self._fresh_state()
         if config.disabled:
             self.submit = _noop_submit  # type: ignore[method-assign]
@@ -296,10 +300,14 @@ class Transport:
         """Pop up to one batch, stopping after a finish marker; the items stay "in flight" until handled."""
         items: list[Item] = []
         pop = self._queue.popleft
+        expanders = self.expanders
         with self._handoff:
             try:
                 while len(items) < self._batch_max:
                     item = pop()
+                    if item[0] in expanders:
+                        self._expand(item, items)
+                        continue
                     items.append(item)
                     if item[0] == _FINISH:
                         break
@@ -308,6 +316,16 @@ class Transport:
             self._inflight = items
         self._taken += sum(1 for k, _ in items if k != _FINISH)
         return items
+
+    def _expand(self, item: Item, into: list[Item]) -> None:
+        """The records of a queued item of an ``expanders`` kind, appended to ``into`` (never raises:
+        an item that cannot be expanded is counted as dropped)."""
+        append = into.append
+        try:
+            self.expanders[item[0]](item[1], lambda kind, rec: append((kind, rec)))
+        except Exception:
+            self._internal_error("expand")
+            self._delivery.count_drop("internal_error", 1)
 
     def _still_mine(self, items: list[Item]) -> bool:
         """Whether close() has not taken over these in-flight items (then it spools them itself)."""
@@ -367,9 +385,14 @@ class Transport:
                 self._handoff.release()
         pop = self._queue.popleft
         k = len(items)
+        expanders = self.expanders
         try:
             while True:
-                items.append(pop())
+                item = pop()
+                if item[0] in expanders:
+                    self._expand(item, items)
+                else:
+                    items.append(item)
         except IndexError:
             pass
         self._taken += sum(1 for kind, _ in items[k:] if kind != _FINISH)

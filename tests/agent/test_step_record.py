@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import fleetscope.agent as fs  # noqa: E402
 from agent_testutil import FakeTransport, ScriptedClock, parts_sum  # noqa: E402
-from fleetscope.agent import collectives, step_state  # noqa: E402
+from fleetscope.agent import collectives, step_end, step_state  # noqa: E402
 from fleetscope.agent.collective_stats import C_KIND, K_PUSHED, K_SYNC_FAST, K_TRAINING  # noqa: E402
 
 
@@ -119,6 +119,23 @@ def test_fast_and_general_paths_emit_identical_records(scripted: Any) -> None:
     _scripted_step(run, clock, all_reduce, general)
     second = list(tx.records)
     run._tracer = None
+
+    # the same step once more, its records built off the training thread: end_fast queues the raw
+    # marks (DEFERRED_STEP) when the transport expands them (the real Transport, on its sender thread)
+    tx.records.clear()
+    run._defer = True
+    deferred: dict[str, Any] = {}
+    _scripted_step(run, clock, all_reduce, deferred)
+    run._defer = False
+    queued = list(tx.records)
+    tx.records.clear()
+    assert deferred == fast
+    assert [k for k, _ in queued] == [step_end.DEFERRED_STEP]  # nothing built on the training thread
+    third: list[tuple[str, Any]] = []
+    step_end.expand_step(run, queued[0][1], lambda kind, rec: third.append((kind, rec)))
+    assert third == first
+    tx.records.extend(third)  # the step read back below
+    assert run._spare is queued[0][1][0]  # the StepData is offered back for the next step
 
     # the two paths really were taken
     assert fast == {"fast": True, "kind": K_SYNC_FAST}

@@ -261,7 +261,22 @@ def _init(
 
     run._hooks.append(pipeline_watch.attach(run))  # pipeline stages and schedules (pipeline_watch.py)
     _install_process_hooks()
+    _install_graph_collectives(run, tx)
     return run
+
+
+def _install_graph_collectives(run: Run, tx: Transport) -> None:
+    """Collectives only torch's Flight Recorder sees (compiled graphs, C++): counted on the sender
+    thread (flight_recorder.py). The buffer is asked for here when no process group exists yet."""
+    try:
+        from . import flight_recorder
+
+        dist = sys.modules.get("torch.distributed")
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            flight_recorder.enable()
+        flight_recorder.install(run, tx)
+    except Exception as e:  # noqa: BLE001
+        log.debug("fleetscope: flight recorder not used (%r)", e)
 
 
 def finish(status: str = "finished", timeout: float | None = None) -> None:

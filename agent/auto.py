@@ -91,6 +91,9 @@ def activate() -> None:
         return
     _activated = True
     try:
+        from .flight_recorder import enable
+
+        enable()  # the Flight Recorder's buffer, before any process group exists (flight_recorder.py)
         if "torch" in sys.modules and hasattr(sys.modules["torch"], "nn"):
             _on_torch_imported()
         else:

@@ -86,15 +86,34 @@ def _storage_key(t: Any) -> int | None:
         return None
 
 
+def _never() -> bool:
+    return False
+
+
+def _compiling_check() -> Any:
+    """``torch.compiler.is_compiling`` (torch ≥ 2.3; ``torch._dynamo.is_compiling`` before): True
+    while Dynamo traces, a constant it folds, so a traced wrapper adds nothing to the graph."""
+    torch = sys.modules.get("torch")
+    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if fn is None:
+        fn = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
+    return fn if callable(fn) else _never
+
+
 def _make(name: str, fn: Any, mod: Any) -> Any:
     op, rule = FUNCOL[name]
     params = list(inspect.signature(fn).parameters)
     gi = params.index("group") if "group" in params else 99
     tagi = params.index("tag") if "tag" in params else 99
 
+    compiling = _compiling_check()
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         run = _c._run
-        if run is None or _tls.busy or run._in_coll:
+        # inside a graph torch.compile traces, the collective is the graph's (the Flight Recorder
+        # counts it, flight_recorder.py): no recording, which would put Python side effects and
+        # fake-tensor sizes into the trace
+        if run is None or _tls.busy or run._in_coll or compiling():
             return fn(*args, **kwargs)
         call = None
         try:
@@ -137,8 +156,10 @@ def _make(name: str, fn: Any, mod: Any) -> Any:
 
 
 def _make_wait(fn: Any) -> Any:
+    compiling = _compiling_check()
+
     def wait_tensor(tensor: Any) -> Any:
-        if not _pending:
+        if not _pending or compiling():
             return fn(tensor)
         key = _storage_key(tensor)
         with _lock:

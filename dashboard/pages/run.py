@@ -465,6 +465,11 @@ def _compile(rid: int) -> Any:
              kpi("compile time", fmt_s(comp["compile_s"]), "max over ranks")]
     if comp.get("cudagraph_replays"):
         tiles.append(kpi("CUDA-graph replays", fmt_num(comp["cudagraph_replays"])))
+    graph = reports.run_graph_collectives(_state.engine(), rid)
+    if graph:
+        tiles.append(kpi("collectives in graphs", fmt_num(graph["calls"]),
+                         "counted by the Flight Recorder, not timed: "
+                         + ", ".join(f"{b['op']} on {b['dim']}" for b in graph["by"][:3]), kid="run-graph-collectives"))
     reasons = comp.get("reasons") or {}
     tables = [html.Div(simple_table([title, "count"], _reason_rows(reasons.get(kind) or []), numeric=(1,),
                                     tid=f"run-compile-{kind.replace('_', '-')}"), className="fs-col-6 fs-scroll")

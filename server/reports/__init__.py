@@ -64,6 +64,7 @@ from .runs import (
     run_compile,
     run_events,
     run_folded,
+    run_graph_collectives,
     run_summary,
     run_traces,
     stragglers,
@@ -75,7 +76,7 @@ __all__ = [
     # runs
     "get_run", "list_runs", "figures", "with_figures", "run_summary", "bottlenecks", "stragglers",
     "collective_efficiency", "run_collectives", "goodput", "run_events", "run_folded", "run_traces", "database_ok",
-    "run_compile", "run_kernels", "run_overlap",
+    "run_compile", "run_graph_collectives", "run_kernels", "run_overlap",
     # nodes across runs
     "node_list", "node_detail",
     # run page

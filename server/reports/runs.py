@@ -40,9 +40,10 @@ from ..groups import members as group_members
 from ..limits import MAX_GROUP_RANKS_LISTED
 from ..store import aggregates, bounds, collectives, events, ranks, steps, traces
 from ..store import runs as run_store
-from ..store.compile import load_compile
+from ..store.compile import load_compile, load_graph_collectives
 from ..store.rows import RankRollups, RunRow
 from . import _cache
+from .health import run_goodput
 from .memory import run_memory
 from .network import run_network
 from .overlap import run_overlap_advice
@@ -202,12 +203,17 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
         "bottlenecks": consistent_bottlenecks(comps, diag),
         "diagnosis": diag,
         "compile": run_compile(engine, run.id),  # read fresh: events land after the steps
+        # collectives only torch's Flight Recorder saw (compiled graphs, C++): counted, not timed
+        "graph_collectives": run_graph_collectives(engine, run.id),
         "token_balance": balance,
         "network": network,
         "overlap_advice": consistent_overlap_advice(raw_advice, diag),
         # records folded or dropped to keep server/limits.py's bounds: {bound: n} and, per event kind,
         # "events_dropped" / "events_folded" {kind: n}
         "folded": run_folded(engine, run.id),
+        # wall time split into productive steps and what was lost (init, checkpoints, eval, data stalls, hangs,
+        # failures, redone steps), per run and per job (reports.health; read fresh)
+        "goodput": run_goodput(engine, run.id),
         **par,
     }
 
@@ -399,6 +405,12 @@ def run_compile(engine: Engine, run_id: int) -> dict[str, Any] | None:
     query): its events are not part of ``RunRow.version``."""
     rows = load_compile(engine, run_id)
     return compile_health(rows.totals, rows.reasons, rows.recompile_steps, rows.replays, has_events=rows.has_events)
+
+
+def run_graph_collectives(engine: Engine, run_id: int) -> dict[str, Any] | None:
+    """Collectives only torch's Flight Recorder saw (inside compiled graphs, or from C++), summed over
+    ranks and steps (``store.compile.load_graph_collectives``); counted, not timed. Not cached."""
+    return load_graph_collectives(engine, run_id)
 
 
 def database_ok(engine: Engine) -> None:

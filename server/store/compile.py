@@ -12,12 +12,13 @@ version a run's cached reports (``RunRow.version``), so this is read fresh on ev
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import Engine, text
 
 from ..limits import MAX_EVENTS_PER_RUN, MAX_HIST_COUNT, MAX_REASON_CHARS
 
-__all__ = ["CompileRows", "load_compile", "KINDS", "MAX_REASONS", "MAX_STEPS"]
+__all__ = ["CompileRows", "load_compile", "load_graph_collectives", "KINDS", "MAX_REASONS", "MAX_STEPS", "MAX_GRAPH_KEYS"]
 
 KINDS = ("compile", "graph_break", "compile_summary", "cudagraph")
 MAX_REASONS = 1000
@@ -145,3 +146,41 @@ def load_compile(engine: Engine, run_id: int) -> CompileRows:
             any_events = bool(a)
     return CompileRows(totals=sorted(totals), reasons=reasons, recompile_steps=sorted(steps), replays=sorted(replays),
                        has_events=any_events)
+
+
+# --------------------------------------------------------------------------- graph collectives
+
+MAX_GRAPH_KEYS = 64
+"""(op, dimension) pairs of graph collectives read per run (the most calls first)."""
+
+_GRAPH_SQL = f"""
+WITH ev AS (
+    SELECT rank, data FROM run_events
+    WHERE run_id = :id AND kind = 'graph_collectives'
+    ORDER BY rank, seq LIMIT :max_events
+), item AS (
+    SELECT e.rank, left(b.v ->> 'op', 32) AS op, left(b.v ->> 'dim', 48) AS dim,
+           {_num("b.v -> 'calls'")} AS calls, {_num("b.v -> 'bytes'")} AS bytes
+    FROM ev e, jsonb_array_elements({_array("e.data -> 'by'")}) WITH ORDINALITY b(v, i)
+    WHERE jsonb_typeof(b.v -> 'op') = 'string' AND jsonb_typeof(b.v -> 'dim') = 'string' AND b.i <= 64
+)
+SELECT op, dim, sum(calls) AS calls, sum(bytes) AS bytes, count(DISTINCT rank) AS ranks,
+       (SELECT count(DISTINCT rank) FROM item) AS all_ranks
+FROM item WHERE calls IS NOT NULL GROUP BY op, dim ORDER BY 3 DESC, op, dim LIMIT :max_keys
+"""
+
+
+def load_graph_collectives(engine: Engine, run_id: int) -> dict[str, Any] | None:
+    """The collectives torch's Flight Recorder saw that the agent's own records did not (inside
+    compiled graphs, or issued from C++), summed over ranks and steps from the agent's
+    ``graph_collectives`` events: ``{"calls", "bytes", "ranks", "by": [{"op", "dim", "calls",
+    "bytes", "ranks"}], "source": "flight_recorder", "timed": False}``; None when no rank sent any."""
+    with engine.connect() as c:
+        rows = c.execute(text(_GRAPH_SQL), {"id": run_id, "max_events": MAX_EVENTS_PER_RUN,
+                                             "max_keys": MAX_GRAPH_KEYS}).fetchall()
+    if not rows:
+        return None
+    by = [{"op": r.op, "dim": r.dim, "calls": int(r.calls), "bytes": int(r.bytes or 0), "ranks": int(r.ranks)}
+          for r in rows]
+    return {"calls": sum(b["calls"] for b in by), "bytes": sum(b["bytes"] for b in by),
+            "ranks": int(rows[0].all_ranks), "by": by, "source": "flight_recorder", "timed": False}

@@ -88,7 +88,7 @@ class StepMachine:
         "_gap", "_state_names", "_flops_per_step", "_flops_per_token", "_flops_given", "_flop_meter",
         "_flop_watch", "_collectives_installed", "_collectives_tried", "_flop_rates", "_flop_split",
         "_flop_source", "_flop_mp", "_flop_probe", "_flop_probe_tries", "_flop_info",
-        "_seq_hist", "_seq_steps", "_defer",
+        "_seq_hist", "_seq_steps", "_defer", "_flop_plain",
     )  # fmt: skip
 
     def __init__(
@@ -123,6 +123,7 @@ class StepMachine:
         self._submit = transport.submit
         self._colls = CollectiveStats(rank, transport.submit, self.counters, config.collective_aggregate_threshold)
         self._defer = False  # Run: whether end_fast hands the step's records to the sender thread (step_end)
+        self._flop_plain = False  # FLOPs counted without module hooks (a pipeline stage: pipeline_watch.py)
         self._pending = PendingSteps(config.max_pending_steps, self.counters)
         self._finished = False
         self._closed = False
@@ -415,6 +416,8 @@ class StepMachine:
         if "torch" not in sys.modules:  # nothing to count, and importing torch here would cost seconds
             self._flop_watch = False
             return
+        if self._flop_plain and self._nsteps == 0:
+            return  # a pipeline's first step also runs the stages' shape inference: measure the next one
         if compile_seen():  # FlopCounterMode would make Dynamo skip the compiled frames (mfu.py)
             probe = self._flop_probe
             if probe is None and self._flop_probe_tries > 0:
@@ -431,7 +434,7 @@ class StepMachine:
             return
         meter = self._flop_meter = FlopMeter()
         try:
-            meter.start()
+            meter.start(modules=not self._flop_plain)
         except Exception as e:  # noqa: BLE001 - no torch / no FlopCounterMode: no measurement
             self._error("flops", e)
             self._flop_watch = False

@@ -233,6 +233,7 @@ class FlopMeter:
         self.dtensor_ops = 0  # DTensor ops seen (each counted by the local ops it ran)
         self.deferred = False  # a compiled model: measured at stop() by measure_uncompiled
         self.forwards = 0  # forwards (micro-batches) of the deferred step
+        self.modules = True  # counted with the module tracker (False under pipelining)
         self.refused: str | None = None  # why a deferred measurement did not happen
         self._probe: tuple[Any, Any, Any] | None = None
 
@@ -240,9 +241,14 @@ class FlopMeter:
     def active(self) -> bool:
         return self._mode is not None
 
-    def start(self) -> None:
-        self._mode = _split_counter_class()(display=False)
-        self._mode.__enter__()
+    def start(self, modules: bool = True) -> None:
+        """Count from now. ``modules=False``: no module tracker (its input hooks break the pipeline
+        schedules' ``autograd.grad``): the total and the forward/backward split are still counted."""
+        mode = _split_counter_class()(display=False)
+        mode.no_modules = not modules
+        self.modules = modules
+        mode.__enter__()
+        self._mode = mode
 
     def defer(self, probe: tuple[Any, Any, Any]) -> None:
         """Measure a compiled model at ``stop``: ``probe`` = (module, args, kwargs) of the step's first
@@ -263,8 +269,11 @@ class FlopMeter:
         """What the "flops" event says about how the count was made."""
         if self.deferred:
             return {"method": "uncompiled_fake", "forwards": self.forwards, "scope": "local"}
-        return {"method": "flop_counter", "scope": "local" if self.local else "global",
-                "dtensor_ops": self.dtensor_ops}
+        out: dict[str, Any] = {"method": "flop_counter", "scope": "local" if self.local else "global",
+                               "dtensor_ops": self.dtensor_ops}
+        if not self.modules:
+            out["pipeline_stage"] = True  # this rank's stage: its own micro-batches' work
+        return out
 
     def stop(self) -> int | None:
         mode, self._mode = self._mode, None
@@ -317,6 +326,12 @@ def _split_counter_class() -> Any:
             self.dtensor_ops = 0
             self.count_fake = False  # FakeTensor ops run nowhere: counted only when measuring on fakes
 
+        def __exit__(self, *args: Any) -> Any:
+            if not getattr(self, "no_modules", False):
+                return super().__exit__(*args)
+            mode, self.mode = self.mode, None  # torch's __exit__ without the module tracker
+            return mode.__exit__(*args) if mode is not None else None
+
         def __enter__(self) -> Any:
             # torch >= 2.4: FlopCounterMode drives an inner dispatch mode; ours lets DTensor ops
             # through to their local shards (_local_dispatch_mode). The same steps as torch's own
@@ -328,9 +343,14 @@ def _split_counter_class() -> Any:
                 except Exception:  # noqa: BLE001 - another signature: torch's own mode
                     mode = None
             if mode is None:
+                if getattr(self, "no_modules", False):
+                    raise RuntimeError("FLOPs without module hooks need torch >= 2.4")
                 return super().__enter__()
             self.flop_counts.clear()
-            self.mod_tracker.__enter__()
+            if not getattr(self, "no_modules", False):
+                # per-module attribution: hooks on every module's inputs. Off under pipelining, whose
+                # schedules' autograd.grad(inputs=...) fails on them (pipeline_watch.py)
+                self.mod_tracker.__enter__()
             self.mode = mode
             mode.__enter__()
             self.local = True
@@ -411,9 +431,22 @@ def _local_dispatch_mode() -> Any:
                 return NotImplemented
             if _has_fake(types) and not getattr(self.counter, "count_fake", False):
                 return func(*args, **(kwargs or {}))  # DTensor's sharding propagation: runs on no device
+            if _on_meta(args):
+                return func(*args, **(kwargs or {}))  # shape inference (a pipeline stage's first step): no work
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     return LocalFlopCounterMode
+
+
+def _on_meta(args: Any) -> bool:
+    """Whether an op's first tensor argument is on the meta device (it computes nothing)."""
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            a = a[0] if a else None
+        is_meta = getattr(a, "is_meta", None)
+        if is_meta is not None:
+            return bool(is_meta)
+    return False
 
 
 class FlopRates:

@@ -18,9 +18,10 @@ which the schedule's first ``step()`` makes — are kept (weakly) and reported w
 Nothing imports ``torch.distributed.pipelining``: if it is already imported the classes are wrapped at
 once, otherwise an import watcher on ``sys.meta_path`` wraps them right after the package has run.
 
-FLOP measurement is switched off for a run with a pipeline stage: ``FlopCounterMode``'s module
-tracker puts multi-grad hooks on module inputs, and the schedules' ``torch.autograd.grad(inputs=...)``
-then fails ("A leaf node was passed to _will_engine_execute_node ..."), killing the job.
+FLOPs of a run with a pipeline stage are counted without ``FlopCounterMode``'s module tracker: it puts
+multi-grad hooks on module inputs, and the schedules' ``torch.autograd.grad(inputs=...)`` then fails
+("A leaf node was passed to _will_engine_execute_node ..."), killing the job. Without it each rank
+counts its own stage's operators over every micro-batch of the step (mfu.py ``FlopMeter.start``).
 
 The P2P transfers themselves go through ``dist.isend``/``dist.irecv`` (the schedules' ``_batch_p2p``
 calls ``P2POp.op`` directly or via ``batch_isend_irecv``) and are recorded by ``collectives.py``.
@@ -87,19 +88,20 @@ def _seen(run: Any) -> weakref.WeakSet[Any]:
 
 
 def _no_flops(run: Any) -> None:
-    """Stop FLOP measurement for ``run`` (see the module docstring)."""
-    meter = getattr(run, "_flop_meter", None)
-    if not run._flop_watch and (meter is None or not meter.active):
+    """Count ``run``'s FLOPs without module hooks from now on (see the module docstring): a meter
+    already running with them is dropped and the next step is measured instead — each rank counts
+    its own stage's work, every micro-batch of the step."""
+    if getattr(run, "_flop_plain", True):
         return
-    run._flop_watch = False
-    if meter is not None and meter.active:
+    run._flop_plain = True
+    meter = getattr(run, "_flop_meter", None)
+    if meter is not None and meter.active and getattr(meter, "modules", True):
         try:
             meter.cancel()
         except Exception as e:  # noqa: BLE001
             log.debug("fleetscope: FLOP meter stop failed (%r)", e)
         run._flop_meter = None
-    log.info("fleetscope: FLOP measurement is off under torch.distributed.pipelining (FlopCounterMode "
-             "breaks its autograd.grad); pass flops_per_step= for MFU")
+        run._flop_watch = True  # measure the next step, without module hooks
 
 
 def _report_stage(run: Any, stage: Any) -> None:

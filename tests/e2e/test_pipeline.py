@@ -1,7 +1,7 @@
 """Pipeline parallelism through the zero-code launcher: an unmodified 2-stage
 ``torch.distributed.pipelining`` job (torchrun + gloo on CPU) against a real server — each rank's stage
-(``pp_stage`` events), the schedule, the send/recv transfers, and a bubble that grows when the same
-global batch is cut into fewer micro-batches."""
+(``pp_stage`` events), the schedule, the send/recv transfers, each stage's own FLOPs (measured), and a
+bubble that grows when the same global batch is cut into fewer micro-batches."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 from test_launcher import TORCHRUN, _fs_run, _runs, _wait_rank_steps
 
 STEPS = 6
@@ -101,6 +102,17 @@ def _pipeline_job(live_server: Any, engine: Any, tmp_path: Path, name: str, micr
     exposed = rank_step_matrix(engine, run["id"], "comm_exposed_s")[2]
     np.testing.assert_allclose(float(np.nan_to_num(exposed).sum()), bubble, rtol=0.02, atol=0.005)
     summary = httpx.get(f"{live_server.url}/api/v1/runs/{run['id']}/summary", timeout=10).json()
+    # FLOPs per stage, measured (no module hooks under pipelining): each rank its own stage's matmuls
+    # over all micro-batches — forward 2·B·D² per layer, backward the weight gradient and the input
+    # gradient (2·B·D² each) except stage 0's first layer, whose input (the batch) needs no gradient
+    flops = rank_step_matrix(engine, run["id"], "flops")[2]
+    mm = 2 * BATCH * DIM * DIM
+    expected = np.array([(3 * LAYERS - 1) * mm, 3 * LAYERS * mm], dtype=float)
+    # step 0 also runs the stages' shape inference: measured from step 1, every step after it counted
+    assert np.isnan(flops[0]).all() and not np.isnan(flops[1:]).any(), flops
+    np.testing.assert_allclose(flops[1:], np.tile(expected, (STEPS - 1, 1)), rtol=1e-6)
+    fprs = summary["flops_per_rank_step"]
+    assert fprs["source"] == "measured" and fprs["model"] == pytest.approx(float(np.median(expected)), rel=1e-6), fprs
     return {"fraction": bubble / float(step_s.sum()),
             "steady": float(np.nan_to_num(exposed[1:]).sum() / step_s[1:].sum()),
             "summary_pipeline": summary.get("pipeline")}

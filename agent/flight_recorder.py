@@ -247,6 +247,7 @@ class GraphCollectives:
         self._dims: dict[str, str] = {}
         self._cfg: dict[str, Any] = {}
         self._read_wall = 0.0
+        self._prev_end: float | None = None  # end of the last settled step
         self.off = False
         self.reads = 0
         self.read_s = 0.0
@@ -312,7 +313,14 @@ class GraphCollectives:
             return None
         by: dict[tuple[str, str], list[int]] = {}
         keep: list[FREntry] = []
-        windows = [(self._steps[s][0], self._steps[s][1], s) for s in ready]
+        # a step's window runs from the previous step's end to its own end: a collective between two
+        # steps belongs to the next one, as the agent's own records put it (collective_marks.gap_call)
+        windows = []
+        for s in ready:
+            start, end = self._steps[s]
+            lo = start if self._prev_end is None else min(start, self._prev_end)
+            windows.append((lo, end, s))
+            self._prev_end = end
         last_end = max(w[1] for w in windows)
         per_step: dict[int, dict[tuple[str, str, int], int]] = {}
         for e in self._entries:
@@ -320,7 +328,7 @@ class GraphCollectives:
                 keep.append(e)
                 continue
             for start, end, s in windows:
-                if start <= e.created <= end:
+                if start < e.created <= end or (start == e.created and s == windows[0][2]):
                     cfg = self._cfg.get(e.group) or {}
                     dim = dim_of(e.group, e.desc or str(cfg.get("desc", "")), cfg.get("ranks"), self._dims, self.world)
                     d = per_step.setdefault(s, {})
@@ -373,9 +381,10 @@ def position_collective(run: Any = None) -> dict[str, Any] | None:
         except (TypeError, ValueError, AttributeError):
             continue
         if enq > comp:
+            # the newest entry with that number: a destroyed group of the same name left older ones
             cand = [e for e in entries if e.group == str(name) and not e.p2p and e.seq == comp + 1]
-            if cand and (pending is None or cand[0].created < pending.created):
-                pending = cand[0]
+            if cand and (pending is None or cand[-1].created < pending.created):
+                pending = cand[-1]
     e = pending or entries[-1]
     c = cfg.get(e.group) or {}
     return {"op": e.op, "dim": dim_of(e.group, e.desc or str(c.get("desc", "")), c.get("ranks"), dims, world),

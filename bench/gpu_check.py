@@ -29,6 +29,10 @@ per check. Checks:
 5. ``compile_cudagraphs``: ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) trained a few
    steps: the agent's compile events (``agent/compile_watch.py``: ``compile``, ``cudagraph`` replays,
    ``compile_summary``). "SKIP: compile_watch not present" when that module is missing.
+6. ``graph_collectives``: a 1-rank NCCL group, a compiled (inductor) function with a functional
+   all_reduce of 4 MiB and one eager all_reduce per step: the Flight Recorder's count of the compiled
+   ones (``graph_collectives`` events) is exact, the eager ones are the agent's own records, and the
+   rank's position names its last collective.
 
 Prints one ``PASS``/``FAIL``/``SKIP``/``NOT RUN`` line per check as it finishes, then the JSON
 summary (also written to ``--json PATH``). Exit status: 0 when nothing failed, 1 when a check
@@ -669,6 +673,59 @@ def check_compile(ctx: Context) -> dict[str, Any] | str:
     return detail
 
 
+def check_graph_collectives(ctx: Context) -> dict[str, Any]:
+    """6: collectives inside a compiled graph (functional all_reduce, NCCL): the Flight Recorder counts
+    them (``graph_collectives`` events), the eager one stays the agent's own record; a rank's position
+    names its last collective with the group's sequence number."""
+    torch = ctx.torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from fleetscope.agent import flight_recorder
+
+    need(dist.is_available(), "torch.distributed is not available")
+    need(flight_recorder.available(), "this torch has no _dump_fr_trace")
+    port = _free_port()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if ctx.cuda else "gloo"
+    kw: dict[str, Any] = {"device_id": ctx.device} if ctx.cuda else {}
+    dist.init_process_group(backend, rank=0, world_size=1, **kw)
+    steps = max(4, ctx.args.steps // 4)
+    numel = 1 << 20  # 4 MiB fp32
+
+    def sync(x: Any) -> Any:
+        return funcol.all_reduce(x * 1.0, "sum", dist.group.WORLD)
+
+    try:
+        csync = torch.compile(sync, backend="inductor" if ctx.cuda else "eager")
+        t = torch.ones(numel, device=ctx.device)
+        csync(t)  # compiled before the run: its compile time is not a step's
+        dist.all_reduce(t)
+        ctx.sync()
+        run = ctx.init("graph-collectives")
+        for _ in range(steps):
+            with run.step():
+                y = csync(t)
+                dist.all_reduce(y)  # the agent's own record
+        ctx.sync()
+        pos = flight_recorder.position_collective(run)
+        got = ctx.finish(run)
+    finally:
+        dist.destroy_process_group()
+    evs = [e["data"] for e in got["events"] if e["kind"] == "graph_collectives"]
+    calls = sum(int(b["calls"]) for d in evs for b in d["by"])
+    nbytes = sum(int(b["bytes"]) for d in evs for b in d["by"])
+    own = sum(c["calls"] for c in got["collectives"] if c["op"] == "all_reduce")
+    detail: dict[str, Any] = {"backend": backend, "steps": steps, "graph_calls": calls, "graph_bytes": nbytes,
+                              "own_calls": own, "position": pos}
+    need(calls == steps, f"{calls} graph collectives counted, {steps} issued: {evs}")
+    need(nbytes == steps * 4 * numel, f"{nbytes} graph bytes, {steps * 4 * numel} expected")
+    need(own == steps, f"{own} eager all_reduce recorded by the agent, {steps} made")
+    need(pos is not None and pos["op"] == "all_reduce" and pos["done"], f"position: {pos}")
+    detail["summary"] = (f"{backend}: {calls} compiled all_reduce counted by the Flight Recorder, {own} eager recorded; "
+                         f"position {pos['op'] if pos else None} #{pos['seq'] if pos else None}")
+    return detail
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -682,6 +739,7 @@ CHECKS: list[tuple[str, Callable[[Context], Any]]] = [
     ("mfu", check_mfu),
     ("nccl_collectives", check_collectives),
     ("compile_cudagraphs", check_compile),
+    ("graph_collectives", check_graph_collectives),
 ]
 
 
@@ -699,6 +757,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     faulthandler.dump_traceback_later(args.timeout, exit=True)
     t_start = time.monotonic()
+    # the Flight Recorder's buffer is sized once per process, before its first process group (check 6)
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
 
     import torch
 

@@ -266,3 +266,102 @@ def test_hf_trainer(live_server: Any, engine: Any, tmp_path: Path, accumulate: i
     # HF's end-of-training calls are reported, attached to the last step, by both ranks
     assert [(r[0], r[1]) for r in after] == [(0, STEPS - 1), (1, STEPS - 1)], after
     assert all(r[2]["calls"] >= 1 for r in after)
+
+
+# A torchtitan-style loop: FSDP2 (fully_shard) over a 1-D DeviceMesh built before the training starts,
+# the model made on the meta device then materialised, micro-batch accumulation inside a train_step
+# function, gradient clipping (a DTensor norm: one all_reduce), an optimizer container around AdamW
+# and an LR scheduler. The job times its own optimizer update.
+T_D, T_LAYERS, T_B, T_MICRO = 64, 3, 8, 2
+# per micro-batch: forward 2·B·D² per layer; backward the weight gradient of every layer and the
+# input gradient of all but the first (its input needs none)
+T_FLOPS = T_MICRO * 2 * T_B * T_D * T_D * (T_LAYERS + T_LAYERS + T_LAYERS - 1)
+TITAN_SCRIPT = f"""
+import json
+import sys
+import time
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+torch.set_num_threads(1)
+out, steps = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+with torch.device("meta"):
+    model = torch.nn.Sequential(*[torch.nn.Linear({T_D}, {T_D}, bias=False) for _ in range({T_LAYERS})])
+for layer in model:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+model.to_empty(device="cpu")
+with torch.no_grad():
+    for p in model.parameters():
+        p.normal_(0, 0.02)
+
+
+class OptimizersContainer:
+    def __init__(self, params):
+        self.opts = [torch.optim.AdamW(params, lr=1e-3)]
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self):
+        for o in self.opts:
+            o.zero_grad()
+
+
+opts = OptimizersContainer(model.parameters())
+sched = torch.optim.lr_scheduler.LambdaLR(opts.opts[0], lambda s: 1.0)
+opt_s = []
+
+
+def train_step(batches):
+    for x in batches:
+        loss = model(x).pow(2).mean() / len(batches)
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    t0 = time.perf_counter()
+    opts.step()
+    opt_s.append(time.perf_counter() - t0)
+    sched.step()
+    opts.zero_grad()
+
+
+g = torch.Generator().manual_seed(rank)
+for step in range(steps):
+    train_step([torch.randn({T_B}, {T_D}, generator=g) for _ in range({T_MICRO})])
+with open(f"{{out}}/rank{{rank}}.json", "w") as f:
+    json.dump({{"global_step": steps, "opt_s": opt_s}}, f)
+dist.barrier()
+dist.destroy_process_group()
+sys.stdout.write(f"rank {{rank}} done\\n")
+"""
+
+
+def test_torchtitan_style_loop(live_server: Any, engine: Any, tmp_path: Path) -> None:
+    """A torchtitan-style FSDP2 loop, unmodified under ``fleetscope run``: one step per optimizer step
+    (none merged, lost or phantom), every micro-batch's FLOPs counted exactly on each rank, AdamW's
+    update in the optimizer phase, and FSDP2's traffic per rank-step: an all-gather per layer in each
+    forward and again in each backward, a reduce-scatter per layer and micro-batch."""
+    run = _job(live_server, tmp_path, "titan-style", TITAN_SCRIPT, str(STEPS))
+    cols = _check_steps(run, engine)
+    np.testing.assert_allclose(cols["flops"], T_FLOPS, rtol=1e-6)
+    for f in ("forward_s", "backward_s", "optimizer_s"):
+        assert (cols[f] > 0).all(), f
+    own = _own_optimizer_s(tmp_path / "out")
+    for rank in (0, 1):
+        assert np.median(cols["optimizer_s"][:, rank]) >= 0.5 * own[rank], (cols["optimizer_s"], own)
+    colls = httpx.get(f"{live_server.url}/api/v1/runs/{run['id']}/collectives", timeout=10).json()["collectives"]
+    by_op: dict[str, list[float]] = {}
+    for c in colls:
+        acc = by_op.setdefault(c["op"], [0, 0.0])
+        acc[0] += c["calls"]
+        acc[1] += c["bytes"]
+    rank_steps = 2 * STEPS
+    layer_bytes = T_D * T_D * 4  # a layer's whole weight, gathered (all_gather: the output) or reduced
+    assert by_op["all_gather"] == [rank_steps * 2 * T_MICRO * T_LAYERS, rank_steps * 2 * T_MICRO * T_LAYERS * layer_bytes]
+    assert by_op["reduce_scatter"] == [rank_steps * T_MICRO * T_LAYERS, rank_steps * T_MICRO * T_LAYERS * layer_bytes]

@@ -12,6 +12,8 @@ __all__ = ["grouped_median", "grouped_medians"]
 
 def grouped_median(values: np.ndarray, gid: np.ndarray, n_groups: int) -> np.ndarray:
     """Median of ``values`` per group id (0..n_groups-1), ignoring NaN; NaN where a group has none."""
+    if not len(values):  # groups with no rows at all (a step known only from its collectives)
+        return np.full(n_groups, np.nan)
     order = np.lexsort((values, gid))  # NaN sorts last within each group
     v = values[order]
     counts = np.bincount(gid, minlength=n_groups)

@@ -333,3 +333,24 @@ def test_server_restart_keeps_data(db_url: str) -> None:
         assert s["rank_steps"] == 24 and s["steps"] == 6
     finally:
         srv.stop()
+
+
+def test_steps_known_only_from_collectives_compact(live_server: Any) -> None:
+    """A job that dies inside its first step sends the collectives it issued but no rank_step: the
+    compactor folds them (it failed on such a pass: the per-step medians of no rank-step rows) and the
+    run's reads answer."""
+    spec = _spec(name="died-in-step-0", ranks=2, steps=1)
+    rid = _register(live_server, spec)
+    names = [f.name for f in COLLECTIVE_FIELDS]
+    rows = [(rank, 0, seq, "all_reduce", 2, 4096, 1, 0.002, 0.002, 1_800_000_000.0 + seq, "world")
+            for rank in (0, 1) for seq in range(3)]
+    records = [{"kind": "collective", **dict(zip(names, row, strict=True))} for row in rows]
+    r = _post(live_server, json.dumps({"v": 1, "run_id": rid, "records": records}).encode(),
+              {"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    res = live_server.compact()  # raised IndexError before
+    assert res.collectives == 6 and res.rank_steps == 0
+    colls = httpx.get(f"{live_server.url}/api/v1/runs/{rid}/collectives", timeout=10).json()["collectives"]
+    assert [(c["op"], c["calls"], c["bytes"]) for c in colls] == [("all_reduce", 6, 6 * 4096.0)]
+    s = httpx.get(f"{live_server.url}/api/v1/runs/{rid}/summary", timeout=30)
+    assert s.status_code == 200 and s.json()["rank_steps"] == 0, s.text

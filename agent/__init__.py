@@ -73,6 +73,7 @@ def init(
     start_step: int = 0,
     mp_size: int | None = None,
     meta: dict[str, Any] | None = None,
+    tags: list[str] | None = None,
     agent_config: AgentConfig | None = None,
     transport: TransportFactory | None = None,
     **agent_settings: Any,
@@ -89,6 +90,8 @@ def init(
     else by the DeviceMesh's model-parallel degree). ``agent_settings`` are ``AgentConfig``
     fields (``server=``, ``token=``, ``offline=``, ``disabled=`` ...) over the FLEETSCOPE_* variables.
     ``transport`` is a factory ``(AgentConfig, run_info) -> Transport`` (``protocols.Transport``; tests).
+    ``tags`` (with FLEETSCOPE_TAGS, comma-separated) are stored in the run's ``meta.tags`` (at most 64,
+    each ≤ 128 characters): filter runs by them (``GET /api/v1/runs?tag=x``, the runs table).
     Never raises because of the environment (an unusable FLEETSCOPE_* value is reported and ignored,
     see config.py): on an internal error it logs and returns a disabled run.
     """
@@ -110,6 +113,7 @@ def init(
             start_step=start_step,
             mp_size=mp_size,
             meta=meta,
+            tags=tags,
             transport=transport,
         )
     except Exception as e:  # noqa: BLE001 - the training job must run even if the agent cannot
@@ -132,6 +136,7 @@ def _init(
     mp_size: int | None,
     meta: dict[str, Any] | None,
     transport: TransportFactory | None,
+    tags: list[str] | None = None,
 ) -> Run:
     from . import env, mfu
     from . import run as run_mod
@@ -202,6 +207,9 @@ def _init(
             run_meta["flops_mp_degree"] = formula_mp
     if meta:
         run_meta.update(meta)
+    all_tags = _tags(tags, run_meta.get("tags"))
+    if all_tags:
+        run_meta["tags"] = all_tags
     run_info: dict[str, Any] = {
         "name": run_name,
         "model_family": model_family,
@@ -216,6 +224,9 @@ def _init(
     }
     if mp_size is not None:
         run_info["mp_size"] = int(mp_size)
+    from .health import job_identity
+
+    run_info["job_id"], run_info["attempt"] = job_identity()  # attempts of one job (docs/agent.md)
 
     factory = transport if transport is not None else _transport_factory()
     tx: Transport
@@ -261,6 +272,7 @@ def _init(
 
     run._hooks.append(pipeline_watch.attach(run))  # pipeline stages and schedules (pipeline_watch.py)
     _install_process_hooks()
+    _install_stop_watch(run, tx)
     _install_graph_collectives(run, tx)
     return run
 
@@ -277,6 +289,21 @@ def _install_graph_collectives(run: Run, tx: Transport) -> None:
         flight_recorder.install(run, tx)
     except Exception as e:  # noqa: BLE001
         log.debug("fleetscope: flight recorder not used (%r)", e)
+
+
+def _tags(given: Any, in_meta: Any) -> list[str]:
+    """The run's tags: ``meta["tags"]``, ``tags=`` and FLEETSCOPE_TAGS (comma-separated), in that order,
+    once each; strings of 1..128 characters, at most 64 (others are left out)."""
+    out: list[str] = []
+    for src in (in_meta, given, os.environ.get("FLEETSCOPE_TAGS", "").split(",")):
+        if isinstance(src, str):
+            src = [src]
+        if not isinstance(src, (list, tuple)):
+            continue
+        for t in src:
+            if isinstance(t, str) and 0 < len(t.strip()) <= 128 and t.strip() not in out and len(out) < 64:
+                out.append(t.strip())
+    return out
 
 
 def finish(status: str = "finished", timeout: float | None = None) -> None:
@@ -340,6 +367,20 @@ def _install_process_hooks() -> None:
         os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _install_stop_watch(run: Run, tx: Transport) -> None:
+    """When the run stops, say where and why: positions from the sender thread (health.py), failure
+    records (failures.py), checkpoints as pauses (checkpoint_watch.py). Never raises."""
+    try:
+        from . import checkpoint_watch, failures, health
+
+        if run.config.heartbeat_s > 0:
+            health.install(run, tx)
+        failures.install(get_run)
+        checkpoint_watch.install()
+    except Exception as e:  # noqa: BLE001
+        log.warning("fleetscope: run-stop reporting unavailable (%r)", e)
+
+
 def _after_fork_in_child() -> None:
     run = get_run()
     if run is not None:
@@ -353,6 +394,8 @@ def _at_exit() -> None:
     run = get_run()
     if run is not None and not run.finished:
         try:
-            run.finish("failed" if _crashed else "finished")
+            from .failures import failed
+
+            run.finish("failed" if _crashed or failed() else "finished")
         except Exception:  # noqa: BLE001
             pass

@@ -94,6 +94,9 @@ def activate() -> None:
         from .flight_recorder import enable
 
         enable()  # the Flight Recorder's buffer, before any process group exists (flight_recorder.py)
+        from .framework_capture import arm
+
+        arm()  # HF Trainer / Lightning logged metrics and tokens through their callbacks (framework_capture.py)
         if "torch" in sys.modules and hasattr(sys.modules["torch"], "nn"):
             _on_torch_imported()
         else:
@@ -130,7 +133,12 @@ class _TorchWatcher(importlib.abc.MetaPathFinder):
 
 
 def _on_torch_imported() -> None:
-    if _started or _module_hooks or is_launcher_process():
+    if _started or _module_hooks:
+        return
+    if is_launcher_process():
+        from .failures import watch_elastic
+
+        watch_elastic()  # torchrun's process: report the workers it sees fail (failures.py)
         return
     _install_optimizer_hooks()
     from . import pipeline_watch

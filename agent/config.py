@@ -81,6 +81,10 @@ class AgentConfig:
     """Step timing: "cuda" (events, resolved lazily), "cpu" (monotonic), "auto" (CUDA once initialised)."""
     max_pending_steps: int = 256
     """GPU: steps whose events are not yet complete, kept at most; older ones are dropped and counted."""
+    heartbeat_s: float = field(default=5.0, metadata=_env("FLEETSCOPE_HEARTBEAT_S"))
+    """While a step is open longer than usual, one ``position`` event per this many seconds (0 = off)."""
+    stack_after_s: float = field(default=30.0, metadata=_env("FLEETSCOPE_STACK_AFTER_S"))
+    """Positions carry the training thread's Python stack once the step has been open this long."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -130,6 +134,16 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError("must be one of 1/true/yes/on or 0/false/no/off")
 
 
+def _parse_float(raw: str) -> float:
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError("must be a number") from None
+    if v != v or v in (float("inf"), float("-inf")):
+        raise ValueError("must be a finite number")
+    return v
+
+
 def _parse_int(raw: str) -> int:
     try:
         return int(raw)
@@ -138,7 +152,7 @@ def _parse_int(raw: str) -> int:
 
 
 # field annotation (a string: ``from __future__ import annotations``) -> parser of its env var
-_PARSERS: dict[str, Callable[[str], Any]] = {"bool": _parse_bool, "int": _parse_int}
+_PARSERS: dict[str, Callable[[str], Any]] = {"bool": _parse_bool, "int": _parse_int, "float": _parse_float}
 
 
 def _field_error(name: str, v: object) -> str | None:

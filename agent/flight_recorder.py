@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import sys
 import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
@@ -362,6 +363,9 @@ def position_collective(run: Any = None) -> dict[str, Any] | None:
     last completed one; the oldest such), else the last one it issued: ``{"op", "dim", "group",
     "seq", "bytes", "since_s", "done"}`` with the group's own sequence number. None without a
     recorder or entries."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None  # the recorder outlives destroyed groups: no group now, no position in one
     trace = dump()
     if not trace:
         return None

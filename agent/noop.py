@@ -60,6 +60,12 @@ class NoopRun:
     def event(self, kind: str, step: Any = None, **data: Any) -> None:
         return None
 
+    def log(self, metrics: Any, step: Any = None) -> None:
+        return None
+
+    def pause(self, reason: str, expected_s: Any = None) -> _NoopCM:
+        return _NOOP
+
     def flush(self, timeout: Any = None) -> bool:
         return True
 

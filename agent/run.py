@@ -21,6 +21,7 @@ from typing import Any
 from .config import AgentConfig
 from .machine import StepMachine
 from .protocols import StepTracer, Transport
+from .scalars import log_scalars
 from .step import Phase, PhaseTable, Step
 from .step_end import DEFERRED_STEP, drain, expand_step
 from .step_state import (
@@ -63,7 +64,8 @@ class Run(StepMachine):
     an unknown name reaches ``_new_phase``.
     """
 
-    __slots__ = ("info", "name", "world_size", "phase", "__weakref__", "_tx", "_pid", "_lock", "_phases", "_step_cm")
+    __slots__ = ("info", "name", "world_size", "phase", "__weakref__", "_tx", "_pid", "_lock", "_phases", "_step_cm",
+                 "_scalar_names", "_aborted_at")
 
     def __init__(
         self,
@@ -96,6 +98,8 @@ class Run(StepMachine):
         self._phases = PhaseTable(self._new_phase)
         self.phase = self._phases.__getitem__  # see the class docstring
         self._step_cm = Step(self, self.phase)
+        self._scalar_names: set[str] = set()  # run.log: the names seen (bounded, agent/scalars.py)
+        self._aborted_at: tuple[int, str | None] | None = None  # (step, phase) the last exception aborted
         # A transport with ``expanders`` (transport.Transport) resolves the common step end on its sender
         # thread: end_fast queues the step's raw marks, step_end.expand_step builds its records there
         expanders = getattr(transport, "expanders", None)
@@ -155,9 +159,36 @@ class Run(StepMachine):
             self._error("instrument", e)
             return dataloader
 
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        """Record training scalars (loss, learning rate, grad norm, any metric) of ``step`` (None: the
+        step in progress, else the last finished one): finite numbers only, at most 256 names per run
+        (names ≤ 128 characters); anything else is dropped and counted, never raised. No device sync:
+        pass Python floats (``loss.item()`` where you already call it) or CPU tensors."""
+        log_scalars(self, metrics, step)
+
     def event(self, kind: str, step: int | None = None, **data: Any) -> None:
         """Record a run event (checkpoint, eval, restart ...) with free-form ``data``."""
         self._event(kind, step, data)
+
+    def pause(self, reason: str, expected_s: float | None = None) -> Any:
+        """``with run.pause("eval", expected_s=120):`` — a declared pause (evaluation, checkpoint, a
+        planned wait): ``pause`` events (state "begin"/"end", the end with ``duration_s``) tell the
+        server that the time without steps is expected, so it is no stall and no hang."""
+        from .checkpoint_watch import Pause
+
+        return Pause(self, reason, expected_s)
+
+    def _abort(self) -> None:
+        # the step's body raised: remember where (a failure record names the step and phase)
+        st = self._step
+        if st is not None:
+            try:
+                cur = self._stack[-1] if self._cur == 5 and self._stack else self._cur
+                name = self._state_names[cur] if 0 <= cur < len(self._state_names) else None
+                self._aborted_at = (int(st.index), None if name in (None, "other", "comm") else name)
+            except Exception:  # noqa: BLE001
+                self._aborted_at = None
+        super()._abort()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Submit every resolvable step and ask the transport to send what it holds."""

@@ -75,6 +75,10 @@ class Transport:
             segment_max_bytes=config.spool_segment_max_bytes,
         )
         self._closed = False
+        # sender-thread callbacks (health.py): ``observe(items)`` sees what each cycle takes from the
+        # queue, ``watch()`` may return one event to send (a position) after each cycle's drain
+        self.observe: Callable[[list[Item]], None] | None = None
+        self.watch: Callable[[], dict[str, Any] | None] | None = None
         self.expanders: dict[str, Callable[[Any, Callable[[str, object], None]], None]] = {}
         """Queue kinds whose item the sender thread turns into records (kind -> fn(item, submit)): the
         run's step end queues raw marks (step_end.DEFERRED_STEP) and its records are built here."""
@@ -289,6 +293,12 @@ class Transport:
             gen = self._flush_req
         try:
             self._drain(final=final)
+            watch = self.watch
+            if watch is not None and not final:
+                ev = watch()
+                if ev is not None:
+                    self.submit("event", ev)
+                    self._drain(final=final)
             with self._cond:
                 self._flush_done = max(self._flush_done, gen)
                 self._cond.notify_all()
@@ -336,6 +346,9 @@ class Transport:
         reported = False
         while True:
             items = self._take()
+            observe = self.observe
+            if observe is not None and items:
+                observe(items)
             if not reported:
                 ev = self._report.event(self._drop_counts())
                 if ev is not None:

@@ -42,9 +42,19 @@ def build_dash() -> Any:
             serve_locally=True,
         )
         # importing a page module registers its route (dash.register_page), so it follows Dash()
-        from .pages import benchmarks, cluster, compare, fleet, not_found_404, regressions, run, scaling
+        from .pages import (
+            benchmarks,
+            cluster,
+            compare,
+            fleet,
+            not_found_404,
+            regressions,
+            run,
+            runs_table,
+            scaling,
+        )
 
-        for mod in (fleet, run, scaling, compare, regressions, benchmarks, cluster, not_found_404):
+        for mod in (fleet, runs_table, run, scaling, compare, regressions, benchmarks, cluster, not_found_404):
             entry = dash.page_registry.get(mod.__name__)
             if entry is not None and not entry.get("supplied_layout"):
                 # what Dash does for modules it imports from a pages folder itself; a layout that fails (data

@@ -41,7 +41,7 @@ def md_escape(text: object) -> str:
     cannot become a link, an image (a remote request) or formatting."""
     return "".join("\\" + ch if ch in _MD_SPECIAL else ch for ch in str(text).replace("\n", " "))
 
-NAV = (("Fleet", "/"), ("Scaling", "/scaling"), ("Compare", "/compare"), ("Regressions", "/regressions"),
+NAV = (("Fleet", "/"), ("Runs table", "/runs-table"), ("Scaling", "/scaling"), ("Compare", "/compare"), ("Regressions", "/regressions"),
        ("Cluster", "/cluster"), ("Benchmarks", "/benchmarks"))
 
 #: clientside: write the page's state into the URL query without a navigation (history.replaceState),

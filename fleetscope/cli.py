@@ -42,7 +42,8 @@ def _settings(**overrides: object):  # type: ignore[no-untyped-def]
 
 
 #: option (or setting) names as the user typed them, for error messages
-_OPTION_OF = {"forwarded_allow_ips": "--forwarded-allow-ips", "retention_blocks_days": "--blocks-days",
+_OPTION_OF = {"forwarded_allow_ips": "--forwarded-allow-ips", "alertmanager_url": "--alertmanager-url",
+              "metrics_max_runs": "--metrics-max-runs", "retention_blocks_days": "--blocks-days",
               "retention_rollups_days": "--rollups-days", "retention_runs_days": "--runs-days"}
 
 
@@ -114,6 +115,15 @@ def serve(
         "--forwarded-allow-ips", envvar="FLEETSCOPE_FORWARDED_ALLOW_IPS",
         help="proxies (addresses or networks, comma-separated; '*': any) whose X-Forwarded-For names the client "
              "for the failed-auth limit; default: none, X-Forwarded-For is ignored")] = None,
+    alertmanager_url: Annotated[Optional[str], typer.Option(
+        "--alertmanager-url", envvar="FLEETSCOPE_ALERTMANAGER_URL",
+        help="send alerts to this Alertmanager (its /api/v2/alerts; e.g. http://alertmanager:9093)")] = None,
+    metrics_max_runs: Annotated[Optional[int], typer.Option(
+        "--metrics-max-runs", min=0, max=10_000,
+        help="per-run gauges on /metrics for at most this many live runs (default 200)")] = None,
+    no_cluster_metrics: Annotated[bool, typer.Option(
+        "--no-cluster-metrics",
+        help="leave the cluster-wide gauges (runs by status, per-run gauges) off this instance's /metrics")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run the API, the dashboard and /metrics in one process (embedded Postgres without a URL)."""
@@ -122,7 +132,8 @@ def serve(
         host=host, port=port, database_url=database_url, data_dir=data_dir, migrate=not no_migrate,
         insecure_no_auth=insecure_no_auth or None, read_auth=read_auth or None,
         allow_public_unauthenticated=allow_public_reads or None, compaction_workers=compaction_workers,
-        forwarded_allow_ips=forwarded_allow_ips,
+        forwarded_allow_ips=forwarded_allow_ips, alertmanager_url=alertmanager_url, metrics_max_runs=metrics_max_runs,
+        cluster_metrics=False if no_cluster_metrics else None,
     )
     if settings.insecure_no_auth:
         typer.secho("WARNING: authentication is DISABLED (--insecure-no-auth)", fg="red", bold=True, err=True)
@@ -214,6 +225,50 @@ def db_upgrade(database_url: DatabaseUrl = None, data_dir: DataDir = None) -> No
     finally:
         if pg:
             pg.stop()
+
+
+@db_app.command("distribute")
+def db_distribute(database_url: DatabaseUrl = None) -> None:
+    """Distribute the migrated schema on a Citus coordinator (per-run tables by run_id, co-located;
+    the rest reference tables). Idempotent: a second run changes nothing."""
+    _setup_logging()
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from fleetscope.server.db import make_engine, upgrade
+    from fleetscope.server.store.citus import NotCitus, citus_version, distribute, placement_summary
+
+    settings = _settings(database_url=database_url)
+    if not settings.database_url:
+        typer.secho("error: --database-url (FLEETSCOPE_DATABASE_URL) must name the Citus coordinator", fg="red", err=True)
+        raise typer.Exit(2)
+    url = settings.database_url
+    engine = make_engine(url, pool_size=1)
+    where = url.rsplit("@", 1)[-1]
+    try:
+        with engine.connect() as c:  # refuse before migrating anything
+            if citus_version(c) is None:
+                raise NotCitus("CREATE EXTENSION citus")
+        upgrade(url)
+        plan, done = distribute(engine)
+        with engine.connect() as c:
+            nodes = placement_summary(c)
+    except NotCitus as e:
+        typer.secho(f"error: {where} is not a Citus coordinator: {e} there (and on its workers), "
+                    "register the workers (citus_add_node), then rerun", fg="red", err=True)
+        raise typer.Exit(1) from None
+    except (ValueError, SQLAlchemyError) as e:
+        msg = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
+        typer.secho(f"error: distributing the schema on {where} failed: {msg}", fg="red", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        engine.dispose()
+    if done:
+        typer.echo(f"distributed {len(done)} tables ({len(plan.distributed)} per-run tables by run_id, "
+                   f"co-located with {plan.colocate_with}; {len(plan.reference)} reference tables)")
+    else:
+        typer.echo(f"already distributed: nothing to do ({len(plan.distributed)} per-run tables, "
+                   f"{len(plan.reference)} reference tables)")
+    typer.echo("shards per node: " + (", ".join(f"{k} {v}" for k, v in nodes.items()) or "none"))
 
 
 _T = TypeVar("_T")

@@ -83,13 +83,19 @@ def launch_env(
     server: str | None,
     token: str | None,
     base: dict[str, str] | None = None,
+    tags: list[str] | None = None,
 ) -> dict[str, str]:
     """The environment COMMAND runs in."""
     env = dict(os.environ if base is None else base)
+    if tags:  # FLEETSCOPE_TAGS: comma-separated, added to what the environment already names
+        have = [t for t in env.get("FLEETSCOPE_TAGS", "").split(",") if t.strip()]
+        env["FLEETSCOPE_TAGS"] = ",".join(dict.fromkeys([*have, *(t.strip() for t in tags if t.strip())]))
     old = env.get("PYTHONPATH")
     env["PYTHONPATH"] = site_dir + (os.pathsep + old if old else "")
     env["FLEETSCOPE_AUTO"] = "1"
     env["FLEETSCOPE_RUN_NAME"] = name or env.get("FLEETSCOPE_RUN_NAME") or _default_name(command)
+    if not env.get("FLEETSCOPE_JOB_ID"):
+        env["FLEETSCOPE_JOB_ID"] = secrets.token_hex(8)  # every attempt of this launch: one job
     if family:
         env["FLEETSCOPE_FAMILY"] = family
     if server:
@@ -103,6 +109,7 @@ def run(
     command: Annotated[list[str], typer.Argument(help="the command to run, after --", show_default=False)],
     name: Annotated[Optional[str], typer.Option("--name", help="run name (default: FLEETSCOPE_RUN_NAME, else <script>-<time>-<hex>)")] = None,
     family: Annotated[Optional[str], typer.Option("--family", help="model family of the run")] = None,
+    tag: Annotated[Optional[list[str]], typer.Option("--tag", help="a tag of the run (repeatable; also FLEETSCOPE_TAGS=a,b)")] = None,
     server: Annotated[Optional[str], typer.Option("--server", envvar="FLEETSCOPE_SERVER", help="server URL")] = None,
     token: Annotated[
         Optional[str], typer.Option("--token", envvar="FLEETSCOPE_TOKEN", help="ingest token (prefer the env var)")
@@ -117,7 +124,7 @@ def run(
     try:
         with open(os.path.join(site_dir, "sitecustomize.py"), "w", encoding="utf-8") as f:
             f.write(SITECUSTOMIZE)
-        env = launch_env(site_dir, command, name=name, family=family, server=server, token=token)
+        env = launch_env(site_dir, command, name=name, family=family, server=server, token=token, tags=tag)
         code = _run_forwarding_signals(command, env)
     finally:
         shutil.rmtree(site_dir, ignore_errors=True)

@@ -12,6 +12,9 @@ their ``details``; the reads show them as top-level keys, with the one-sentence 
 Within-run detection (a run's steps) raises ``step_time_shift``, ``straggler`` (one per run) and
 ``slow_node`` (one per (run, node) the network analysis calls slow) alerts.
 
+Run-health alerts (``hang``, ``node_lost``, ``failure``: one per incident, resolved when steps resume)
+come from the health pass (``health_pass.HealthWorker``) through the same reconciliation.
+
 ``AlertWorker`` runs detection on a background thread after compaction passes (throttled) and hands
 new and resolved alerts to the notifier — ingest never waits on it and never sees its errors.
 """
@@ -149,7 +152,7 @@ class AlertWorker:
                 last_t, last_steps = self._last_step_check.get(rid, (-1e9, -1))
                 # within-run detection reads the run's steps: for a running run at most once per interval,
                 # and only when it has grown by 10 steps or 5 %; a finished run once more
-                if status == "running" and (now - last_t < self.step_check_interval_s
+                if status in ("running", "stalled", "hung") and (now - last_t < self.step_check_interval_s
                                             or steps - last_steps < max(10, 0.05 * last_steps)):
                     continue
                 self._step_pending.discard(rid)

@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleetscope import __version__
 
@@ -24,39 +25,21 @@ from .auth import TokenVerifier
 from .compactor import CompactionResult, CompactionWorkers, Compactor
 from .db import make_engine, upgrade
 from .edge import EdgeMiddleware
+from .errors import error_body
+from .health_pass import HealthWorker, params_from
 from .ingest import IngestService
 from .metrics import ServiceMetrics
 from .notifier import Notifier
-from .routes import alerts, benchmarks, health, ingest, kernels, nodes, overlap, runs, traces
+from .openapi import api_schema
+from .prom import scrape_groups
+from .routes import alerts, benchmarks, health, ingest, kernels, nodes, overlap, run_health, runs, traces
 from .settings import Settings
 from .state import AppState
 from .store import runs as run_store
-from .store.runs import runs_by_status
 
 __all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
-
-
-def _live_sample(app: FastAPI) -> dict[str, Any]:
-    st: AppState | None = getattr(app.state, "fs", None)
-    if st is None:
-        return {}
-    pool = st.engine.pool
-    out: dict[str, Any] = {
-        "fleetscope_db_pool_checked_out": ("DB connections in use", float(getattr(pool, "checkedout", lambda: 0)()), None),
-        "fleetscope_ingest_queue_depth": ("Batches waiting for a writer", float(st.ingest.admission.waiting), None),
-        "fleetscope_ingest_active_writers": ("Batches being written", float(st.ingest.admission.active), None),
-        "fleetscope_compaction_backlog_rows": ("Landed rank-steps not yet compacted", float(st.ingest.backlog_rows), None),
-    }
-    rows = runs_by_status(st.engine)
-    out["fleetscope_runs"] = ("Runs by status", [((r[0],), float(r[1])) for r in rows], ("status",))
-    out["fleetscope_active_ranks"] = (
-        "Ranks of running runs",
-        float(sum(r[2] for r in rows if r[0] == "running")),
-        None,
-    )
-    return out
 
 
 def _brief_error(e: Any) -> dict[str, Any]:
@@ -71,7 +54,7 @@ def _build_state(settings: Settings, url: str, app: FastAPI) -> AppState:
     """Every part of the server, wired explicitly: store, ingest, compaction (+ the straggler rollup
     fold), token checks, metrics, and regression detection with its notifier."""
     engine = make_engine(url, pool_size=settings.pool_size)
-    metrics = ServiceMetrics(lambda: _live_sample(app))
+    metrics = ServiceMetrics(scrape_groups(lambda: getattr(app.state, "fs", None)))
     ingest_service = IngestService(
         engine,
         concurrency=settings.ingest_concurrency,
@@ -79,25 +62,31 @@ def _build_state(settings: Settings, url: str, app: FastAPI) -> AppState:
         backlog_max_rows=settings.backlog_max_rows,
         max_batch_records=settings.max_batch_records,
     )
-    notifier = Notifier(slack_webhook_url=settings.slack_webhook_url, webhook_url=settings.alert_webhook_url)
     public = settings.public_url or f"http://{settings.host}:{settings.port}"
+
+    def run_info(run_id: int) -> tuple[str, str | None] | None:
+        r = run_store.runs_by_ids(engine, [run_id]).get(run_id)
+        return None if r is None else (r.name, r.model_family)
+
+    notifier = Notifier(slack_webhook_url=settings.slack_webhook_url, webhook_url=settings.alert_webhook_url,
+                        alertmanager_url=settings.alertmanager_url, run_info=run_info, generator_url=public)
     worker = AlertWorker(engine, notifier=notifier, public_url=public, interval_s=settings.alert_interval_s,
                          step_check_interval_s=settings.alert_step_check_interval_s)
 
     def on_pass(res: CompactionResult) -> None:
         ingest_service.backlog_rows = res.backlog_rows
         if res.steps:
-            metrics.compaction_seconds.observe(res.seconds)
-            metrics.compacted.labels("rank_step").inc(res.rank_steps)
-            metrics.compacted.labels("collective").inc(res.collectives)
-            metrics.duplicates.inc(res.duplicates)
+            metrics.compaction_pass(res.seconds, res.rank_steps, res.collectives, res.duplicates)
             if res.runs:
                 worker.poke(runs=res.runs)  # newly compacted steps: look for regressions in those runs
 
     compactor = Compactor(engine, grace_s=settings.compact_grace_s, on_pass=on_pass)
     compactor.folds.append(fold_rank_rollups)
+    health_worker = HealthWorker(engine, params_from(settings), notifier=notifier, public_url=public,
+                                 interval_s=settings.health_interval_s)
     return AppState(settings=settings, engine=engine, ingest=ingest_service, compactor=compactor,
-                    tokens=TokenVerifier(engine), metrics=metrics, notifier=notifier, alerts=worker)
+                    tokens=TokenVerifier(engine), metrics=metrics, notifier=notifier, alerts=worker,
+                    health=health_worker)
 
 
 class _CompactionFollower:
@@ -105,8 +94,9 @@ class _CompactionFollower:
     hand the runs the workers compacted to regression detection, as the in-process compactor's
     ``on_pass`` does."""
 
-    def __init__(self, state: AppState, interval_s: float) -> None:
+    def __init__(self, state: AppState, interval_s: float, workers: CompactionWorkers | None = None) -> None:
         self._state = state
+        self._workers = workers
         self._interval = max(0.2, interval_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="fleetscope-compaction-follower", daemon=True)
@@ -121,6 +111,9 @@ class _CompactionFollower:
     def _loop(self) -> None:
         since = None
         while not self._stop.wait(self._interval):
+            if self._workers is not None:  # the workers' passes, counted in this process's metrics
+                for p in self._workers.drain_passes():
+                    self._state.metrics.compaction_pass(*p)
             try:
                 backlog, runs, since = run_store.compaction_progress(self._state.engine, since)
                 self._state.ingest.backlog_rows = backlog
@@ -153,13 +146,15 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
                 workers = CompactionWorkers(url, settings.compaction_workers, grace_s=settings.compact_grace_s,
                                             interval_s=settings.compact_interval_s)
                 workers.start()
-                follower = _CompactionFollower(state, settings.compact_interval_s)
+                follower = _CompactionFollower(state, settings.compact_interval_s, workers)
                 follower.start()
                 log.info("compaction in %d worker processes", settings.compaction_workers)
             else:
                 state.compactor.start(settings.compact_interval_s)
             if settings.alerts_enabled:
                 state.alerts.start()
+            if settings.health_enabled and state.health is not None:
+                state.health.start()
             if retention.policy_for(settings, None).any or settings.retention_overrides:
                 keeper = retention.RetentionWorker(state.engine, settings)
                 keeper.start()
@@ -175,6 +170,8 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
             if workers is not None:
                 workers.stop()
             state.alerts.stop()
+            if state.health is not None:
+                state.health.stop()
             state.notifier.close()
             state.compactor.stop()
             try:
@@ -193,7 +190,7 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
     app.add_middleware(EdgeMiddleware, settings=settings, get_state=lambda: getattr(app.state, "fs", None))
     app.include_router(health.router)
     for r in (ingest.router, runs.router, benchmarks.router, traces.router, alerts.router, nodes.router,
-              kernels.router, overlap.router):
+              kernels.router, overlap.router, run_health.router):
         app.include_router(r, prefix="/api/v1")
 
     @app.exception_handler(DataError)
@@ -202,13 +199,13 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
         # the database refused a value the client sent (NUL characters, out-of-range numbers or times):
         # a 422 naming the problem, never a 500
         msg = str(getattr(exc, "orig", None) or exc).splitlines()[0][:200]
-        return JSONResponse({"detail": f"invalid value: {msg}"}, status_code=422)
+        return JSONResponse(error_body(422, f"invalid value: {msg}"), status_code=422)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI's default echoes each bad input whole (a 50 MB string, a lone surrogate that cannot
         # even be encoded): say where and what, with at most a short, ASCII-safe excerpt of the value
-        return JSONResponse({"detail": [_brief_error(e) for e in exc.errors()[:20]]}, status_code=422)
+        return JSONResponse(error_body(422, [_brief_error(e) for e in exc.errors()[:20]]), status_code=422)
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(psycopg.OperationalError)
@@ -216,12 +213,19 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
     async def _db_down(request: Request, exc: Exception) -> JSONResponse:
         # Postgres unreachable or restarting: the client should come back, not see a server error
         log.warning("database unavailable on %s %s: %s", request.method, request.url.path, type(exc).__name__)
-        return JSONResponse({"detail": "database unavailable; retry later"}, status_code=503,
+        return JSONResponse(error_body(503, "database unavailable; retry later"), status_code=503,
                             headers={"Retry-After": "2"})
 
     @app.exception_handler(Exception)
     async def _unhandled(request: Request, exc: Exception) -> JSONResponse:  # pragma: no cover - last resort
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse({"detail": "internal error"}, status_code=500)
+        return JSONResponse(error_body(500, "internal error"), status_code=500)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # HTTPException from routes and dependencies (404, 403, 401, 503 ...): the one error body
+        return JSONResponse(error_body(exc.status_code, exc.detail), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    app.openapi = lambda: api_schema(app)  # type: ignore[method-assign]
     return app

@@ -232,7 +232,7 @@ class Compactor:
             ready[:] = True
         g_run = gkeys >> 32
         for r, (_ws, status) in info.items():
-            if status != "running":
+            if status not in ("running", "stalled", "hung"):  # an ended run's steps need not wait for late ranks
                 ready |= g_run == r
         if existing:
             ekeys = np.array([e[0] * (1 << 32) + e[1] for e in existing], dtype=np.int64)
@@ -622,8 +622,10 @@ def _sort_dedup(cols: dict[str, np.ndarray], key: np.ndarray, key2: np.ndarray |
     return out, n - len(keep)
 
 
-def _worker_main(url: str, grace_s: float, interval_s: float, stop: Any, index: int) -> None:
-    """A compaction worker process: its own engine and compactor loop until ``stop`` is set."""
+def _worker_main(url: str, grace_s: float, interval_s: float, stop: Any, index: int, passes: Any = None) -> None:
+    """A compaction worker process: its own engine and compactor loop until ``stop`` is set. Each pass
+    that folded steps is reported on ``passes`` (seconds, rank-steps, collectives, duplicates) for the
+    server process's metrics; a full queue drops the report, never blocks compaction."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us through ``stop``
@@ -631,14 +633,25 @@ def _worker_main(url: str, grace_s: float, interval_s: float, stop: Any, index: 
     from .db import make_engine
 
     engine = make_engine(url, pool_size=2)
+
+    def report(res: CompactionResult) -> None:
+        if passes is not None and res.steps:
+            try:
+                passes.put_nowait((res.seconds, res.rank_steps, res.collectives, res.duplicates))
+            except Exception:  # noqa: BLE001 - queue full (the server stopped draining): drop the report
+                pass
+
     comp = Compactor(engine, grace_s=grace_s)
     comp.folds.append(fold_rank_rollups)
     comp._turn = index  # start each worker at a different partition
     try:
         while not stop.wait(interval_s):
             try:
-                while comp.run_once().more and not stop.is_set():
-                    pass
+                while True:
+                    res = comp.run_once()
+                    report(res)
+                    if not res.more or stop.is_set():
+                        break
             except Exception:  # noqa: BLE001 - keep compacting; raw rows stay until a pass succeeds
                 log.exception("compaction worker %d: pass failed (raw rows kept; will retry)", index)
     finally:
@@ -656,7 +669,8 @@ class CompactionWorkers:
 
         ctx = mp.get_context("spawn")  # no inherited threads, sockets or connection pools
         self._stop = ctx.Event()
-        self._procs = [ctx.Process(target=_worker_main, args=(url, grace_s, interval_s, self._stop, i),
+        self._passes = ctx.Queue(maxsize=10_000)
+        self._procs = [ctx.Process(target=_worker_main, args=(url, grace_s, interval_s, self._stop, i, self._passes),
                                    name=f"fleetscope-compactor-{i}", daemon=True) for i in range(n)]
 
     def start(self) -> None:
@@ -666,11 +680,27 @@ class CompactionWorkers:
     def alive(self) -> int:
         return sum(p.is_alive() for p in self._procs)
 
+    def drain_passes(self, limit: int = 10_000) -> list[tuple[float, int, int, int]]:
+        """The passes the workers reported since the last call: (seconds, rank-steps, collectives,
+        duplicates) each."""
+        import queue
+
+        out: list[tuple[float, int, int, int]] = []
+        while len(out) < limit:
+            try:
+                out.append(self._passes.get_nowait())
+            except queue.Empty:
+                break
+        return out
+
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
         deadline = time.monotonic() + timeout
         for p in self._procs:
-            p.join(max(0.1, deadline - time.monotonic()))
+            # a process exits only once its queued reports are read: keep draining while waiting
+            while p.is_alive() and time.monotonic() < deadline:
+                self.drain_passes()
+                p.join(0.2)
             if p.is_alive():
                 p.terminate()
                 p.join(5)

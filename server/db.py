@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import Engine, create_engine
+from sqlalchemy.pool import NullPool
 
 from .store.bootstrap import ensure_database
 
@@ -48,13 +49,17 @@ def libpq_url(url: str) -> str:
 
 def make_engine(url: str, *, pool_size: int = 8) -> Engine:
     """An SQLAlchemy engine on psycopg 3 with a bounded pool."""
-    return create_engine(
+    from .store.citus import configure_engine
+
+    engine = create_engine(
         normalize_url(url),
         pool_size=pool_size,
         max_overflow=2,
         pool_pre_ping=True,
         pool_recycle=1800,
     )
+    configure_engine(engine)  # Citus: per-connection settings (server/store/citus.py)
+    return engine
 
 
 @contextmanager
@@ -89,6 +94,20 @@ def upgrade(url: str, revision: str = "head") -> None:
     from alembic import command
 
     command.upgrade(_alembic_config(url), revision)
+    # on a distributed Citus schema, distribute the tables the migrations just added (a no-op
+    # otherwise; plain Postgres pays one catalog query)
+    from .store.citus import distribute, is_distributed
+
+    engine = create_engine(normalize_url(url), poolclass=NullPool)
+    try:
+        with engine.connect() as c:
+            distributed = is_distributed(c)
+        if distributed:
+            _p, done = distribute(engine)
+            for stmt in done:
+                log.info("citus: %s", stmt)
+    finally:
+        engine.dispose()
 
 
 class EmbeddedPostgres:

@@ -37,11 +37,11 @@ def require_token(scope: Scope) -> params.Depends:
         if p is None and st.settings.insecure_no_auth:
             p = ANONYMOUS_ADMIN
         if p is None:
-            st.metrics.rejections.labels("auth").inc()
+            st.metrics.reject("auth")
             raise HTTPException(status_code=401, detail="missing or invalid bearer token",
                                 headers={"WWW-Authenticate": "Bearer"})
         if not p.allows(scope):
-            st.metrics.rejections.labels("auth").inc()
+            st.metrics.reject("forbidden")
             raise HTTPException(status_code=403, detail=f"token {p.name!r} has scope {p.scope!r}; this needs {scope!r}")
         return p
 

@@ -7,10 +7,13 @@ A pure ASGI middleware, in this order:
 2. **Body cap** — a per-route ceiling checked on ``Content-Length`` before reading, and again while
    the body streams (chunked uploads); 413 naming the limit.
 3. **Authentication** — every write (and, with ``read_auth``, every read but ``/healthz``) needs a
-   valid token: 401 before the body is read. A client address with too many recent failures gets 429
-   + ``Retry-After`` for each further request that fails — a request from that address whose token
-   is valid still passes (behind a proxy, every agent shares one address). The address is the TCP
-   peer; ``X-Forwarded-For`` counts only when the peer is in ``forwarded_allow_ips``. A database
+   valid token: 401 before the body is read. Failed authentications are limited per credential, not
+   per address: each presented token (by its hash) has its own bucket, and requests without a token
+   share one bucket per client address. A bucket over the limit gets 429 + ``Retry-After`` for each
+   further failing request — a valid token has never failed, so its bucket never fills, and no flood
+   of unauthenticated or bad-token requests (behind a proxy, from the agents' own address) can lock
+   it out. The client address of the no-token bucket is the TCP peer; ``X-Forwarded-For`` counts only
+   when the peer is in ``forwarded_allow_ips``. A database
    outage answers 503 + ``Retry-After``, never 500. The principal is put in the request's state; the
    routes' ``require_token(scope)`` dependency checks its scope.
 4. **Media type** — a write with a body must say ``application/json`` or msgpack (415 otherwise), so
@@ -20,6 +23,7 @@ A pure ASGI middleware, in this order:
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import logging
@@ -35,8 +39,9 @@ from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 
 from .auth import ANONYMOUS_ADMIN, Principal
+from .errors import error_body
 
-__all__ = ["EdgeMiddleware", "body_cap", "TOKEN_COOKIE"]
+__all__ = ["EdgeMiddleware", "body_cap", "TOKEN_COOKIE", "credential_key", "edge_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +85,9 @@ def _dash_cap(path: str) -> int:
 
 
 class _FailedAuth:
-    """Per-client count of failed authentications in a sliding window, bounded in size (at most
-    ``max_clients`` addresses, each with at most ``limit`` timestamps; the least recent goes first)."""
+    """Per-credential count of failed authentications in a sliding window (keys: ``credential_key``),
+    bounded in size (at most ``max_clients`` keys, each with at most ``limit`` timestamps; the least
+    recent goes first)."""
 
     def __init__(self, limit: int, window_s: float, max_clients: int = 10_000) -> None:
         self.limit, self.window_s, self.max_clients = limit, window_s, max_clients
@@ -246,14 +252,13 @@ class EdgeMiddleware:
             return ANONYMOUS_ADMIN, 200, "", {}
         if st is None or not st.ready:
             return None, 503, "starting up", {"Retry-After": "1"}
-        client = self.proxies.client(scope)
-        blocked = self.failed.blocked_for(client) > 0
         sign_in = _sign_in_token(scope)
         authz = (headers.get("authorization") or (f"Bearer {sign_in}" if sign_in else None)
                  or _cookie_token(headers.get("cookie", "")))
-        # an address over the limit still has each presented token checked (one lookup): a valid token
-        # passes — another client behind the same proxy must not be locked out by someone's bad tokens
-        if not (blocked and not authz):
+        key = credential_key(authz, self.proxies.client(scope))
+        # the bucket of THIS credential: a valid token never fails, so its bucket never fills; a flood
+        # without a token (or with other tokens) from the same address fills other buckets
+        if self.failed.blocked_for(key) <= 0:
             try:
                 principal = await run_in_threadpool(st.tokens.authenticate, authz)
             except (OperationalError, OSError, TimeoutError) as e:
@@ -261,18 +266,20 @@ class EdgeMiddleware:
                 return None, 503, "database unavailable; retry later", {"Retry-After": "2"}
             if principal is not None:
                 return principal, 200, "", {}
-        self.failed.record(client)
-        if blocked:
-            wait = self.failed.blocked_for(client)
-            return None, 429, "too many failed authentications from this client; retry later", {
-                "Retry-After": str(int(wait) + 1)}
-        return None, 401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"}
+            self.failed.record(key)
+            return None, 401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"}
+        # over the limit: this credential failed ``auth_fail_limit`` times in the window (a token that
+        # failed stays invalid: tokens are random and never reissued), so no database lookup
+        self.failed.record(key)
+        wait = self.failed.blocked_for(key)
+        what = "without a token from this client" if not authz else "with this token"
+        return None, 429, f"too many failed authentications {what}; retry later", {
+            "Retry-After": str(int(wait) + 1)}
 
     async def _reject(self, send: Send, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
         st = self.get_state()
         if st is not None:
-            reason = {401: "auth", 413: "too_large", 415: "unsupported", 429: "overloaded", 503: "overloaded"}
-            st.metrics.rejections.labels(reason.get(status, str(status))).inc()
+            st.metrics.reject(edge_reason(status, detail))
         await _reply(send, status, detail, headers)
 
     @staticmethod
@@ -285,6 +292,23 @@ class EdgeMiddleware:
             await send(message)
 
         return wrapped
+
+
+def credential_key(authz: str | None, client: str) -> str:
+    """The failed-auth bucket of a request: ``token:<hash>`` per presented credential (the same bucket
+    from every address), ``anon:<client address>`` for requests without one."""
+    if not authz:
+        return f"anon:{client}"
+    return "token:" + hashlib.sha256(authz.strip().encode("utf-8", "replace")).hexdigest()[:32]
+
+
+def edge_reason(status: int, detail: str) -> str:
+    """The ``reason`` label of a rejection at the edge (``fleetscope_ingest_rejections_total``)."""
+    if status == 429:
+        return "auth_limited"  # failed authentications over the limit: not overload
+    if status == 503:
+        return "starting" if detail.startswith("starting") else "db_unavailable"
+    return {400: "malformed", 401: "auth", 403: "forbidden", 413: "too_large", 415: "unsupported"}.get(status, str(status))
 
 
 def _sign_in_token(scope: Scope) -> str | None:
@@ -327,7 +351,7 @@ class _TooLarge(HTTPException):
 
 
 async def _reply(send: Send, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
-    body = json.dumps({"detail": detail}).encode()
+    body = json.dumps(error_body(status, detail)).encode()
     hs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     hs += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": hs})

@@ -170,7 +170,11 @@ class IngestService:
         with self.admission:
             doc = decode_body(body, content_type, content_encoding, max_decoded=max_decoded)
             del body
-            return self._ingest(doc, authorize)
+            try:
+                return self._ingest(doc, authorize)
+            except BatchError as e:
+                e.records = count_records(doc)  # type: ignore[attr-defined]  # the refused records, for the metrics
+                raise
 
     def ingest(self, doc: Any, authorize: Callable[[int], None] | None = None) -> IngestResult:
         """Validate and write one decoded batch (all or nothing)."""
@@ -216,6 +220,22 @@ class IngestService:
             self._dims_known.update((b.run_id, c) for c, _ in new_dims)
         log.debug("wrote batch run=%s records=%d in %.1f ms", b.run_id, b.n_records, (time.perf_counter() - t0) * 1e3)
         return landed
+
+
+def count_records(doc: Any) -> int:
+    """How many records a decoded batch carries (before validation): list sections by length, columnar
+    sections by their longest column — for counting the records of a refused batch."""
+    if not isinstance(doc, dict):
+        return 0
+    n = 0
+    for k, v in doc.items():
+        if k in ("v", "run_id"):
+            continue
+        if isinstance(v, list):
+            n += len(v)
+        elif isinstance(v, dict):
+            n += max((len(c) for c in v.values() if isinstance(c, list)), default=0)
+    return n
 
 
 def dim_column(b: ValidBatch) -> tuple[np.ndarray | None, dict[int, str]]:

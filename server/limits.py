@@ -42,3 +42,24 @@ MAX_PIPELINE_STAGES = 4_096
 MAX_MICROBATCHES = 65_536
 #: rows any list endpoint returns at most in one page
 MAX_PAGE_ROWS = 1_000
+#: stack frames kept of one rank's position or failure (innermost last); more are refused (422)
+MAX_STACK_FRAMES = 12
+#: failure records one run keeps (one per rank and source); further failures are dropped and counted
+MAX_FAILURES_PER_RUN = 1_024
+#: characters kept of a failure's message; longer ones are cut, marked "…"
+MAX_FAILURE_MESSAGE_CHARS = 1_000
+#: distinct declared-pause reasons one run keeps (per rank: the open pause and the seconds of ended ones);
+#: pauses of further reasons are dropped and counted
+MAX_PAUSE_REASONS_PER_RUN = 16
+#: ranks a run's health lists by number (missing ranks, failed ranks); the rest are counted
+MAX_HEALTH_RANKS_LISTED = 1_024
+#: ranks whose stacks a run's health shows
+MAX_HEALTH_STACKS = 16
+#: distinct training-scalar names (``run.log``) one run keeps; points of further names are dropped and counted
+MAX_SCALAR_NAMES_PER_RUN = 256
+#: characters of one training-scalar name; longer names are refused (422)
+MAX_SCALAR_NAME_CHARS = 128
+#: training-scalar points (name, step, rank) one run keeps; further points are dropped and counted
+MAX_SCALAR_POINTS_PER_RUN = 1_000_000
+#: points per scalar name one ``/scalars`` read or the run page returns at most (downsampled, minima and maxima kept)
+MAX_SCALAR_READ_POINTS = 20_000

@@ -70,7 +70,7 @@ class Run(Base):
     """One training job; all ranks of the job share it (idempotent by name within its owner's namespace)."""
 
     __tablename__ = "runs"
-    __table_args__ = (Index("ix_runs_started_at", "started_at"), UniqueConstraint("owner_key", "name"))
+    __table_args__ = (Index("ix_runs_started_at", "started_at"), UniqueConstraint("owner_key", "name", "attempt"))
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(256), index=True)
     model_family: Mapped[str | None] = mapped_column(String(128), index=True)
@@ -98,6 +98,10 @@ class Run(Base):
     last_step: Mapped[int | None] = mapped_column(Integer)
     thinned: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     """what retention removed: {"blocks": iso time, "rollups": iso time} (migration 0008)"""
+    job_id: Mapped[str | None] = mapped_column(String(128), index=True)
+    """the job this run is an attempt of (runs of one owner with the same job id; migration 0016)"""
+    attempt: Mapped[int] = mapped_column(Integer, server_default="0")
+    """0 for the first attempt of a job, k for its k-th restart: part of the run's identity"""
 
 
 class Rank(Base):
@@ -550,3 +554,113 @@ class RunEventCount(Base):
 
 
 __all__ += ["RunGroup", "RunEventCount"]
+
+
+# ------------------------------------------------------------------ run health (migration 0016)
+
+
+class RunPosition(Base):
+    """The latest position one rank reported (``position`` events): one row per (run, rank), overwritten."""
+
+    __tablename__ = "run_positions"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger)
+    ts: Mapped[float | None] = mapped_column(Double)
+    step: Mapped[int | None] = mapped_column(BigInteger)
+    state: Mapped[str | None] = mapped_column(String(16))
+    phase: Mapped[str | None] = mapped_column(String(64))
+    open_s: Mapped[float | None] = mapped_column(Double)
+    coll_op: Mapped[str | None] = mapped_column(String(64))
+    coll_dim: Mapped[str | None] = mapped_column(String(64))
+    coll_group: Mapped[str | None] = mapped_column(String(128))
+    coll_seq: Mapped[int | None] = mapped_column(BigInteger)
+    coll_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    coll_since_s: Mapped[float | None] = mapped_column(Double)
+    coll_done: Mapped[bool | None] = mapped_column(Boolean)
+    stack: Mapped[Any | None] = mapped_column(JSONB)
+    source: Mapped[str | None] = mapped_column(String(32))
+    received_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class RunFailure(Base):
+    """A rank's failure (``failure`` events): at most one per (run, rank, source)."""
+
+    __tablename__ = "run_failures"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    source: Mapped[str] = mapped_column(String(16), primary_key=True)
+    ts: Mapped[float | None] = mapped_column(Double)
+    step: Mapped[int | None] = mapped_column(BigInteger)
+    exception: Mapped[str | None] = mapped_column(String(256))
+    message: Mapped[str | None] = mapped_column(Text)
+    frames: Mapped[Any | None] = mapped_column(JSONB)
+    phase: Mapped[str | None] = mapped_column(String(64))
+    signal: Mapped[str | None] = mapped_column(String(32))
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    received_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class RunPause(Base):
+    """Declared pauses per (run, rank, reason): the open one (``open_since``) and the time in ended ones."""
+
+    __tablename__ = "run_pauses"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    reason: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, server_default="-1")
+    """the last pause event of this rank and reason applied (a re-sent batch is not counted twice)"""
+    open_since: Mapped[float | None] = mapped_column(Double)
+    expected_s: Mapped[float | None] = mapped_column(Double)
+    total_s: Mapped[float] = mapped_column(Double, server_default="0")
+    count: Mapped[int] = mapped_column(Integer, server_default="0")
+    received_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class RunHealth(Base):
+    """What the health pass last concluded about a run, and the last progress it saw."""
+
+    __tablename__ = "run_health"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16), server_default="running")
+    since: Mapped[dt.datetime | None] = mapped_column(TZ)
+    finding: Mapped[str | None] = mapped_column(Text)
+    detail: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
+    last_step: Mapped[int | None] = mapped_column(BigInteger)
+    progress_at: Mapped[dt.datetime | None] = mapped_column(TZ)
+    hang_s: Mapped[float] = mapped_column(Double, server_default="0")
+    updated_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
+
+
+__all__ += ["RunPosition", "RunFailure", "RunPause", "RunHealth"]
+
+
+# ------------------------------------------------------------------ training scalars (migration 0017)
+
+
+class RunScalarName(Base):
+    """A scalar name a run logged (``run.log``), once: at most ``MAX_SCALAR_NAMES_PER_RUN`` per run, with
+    its last value and minimum (``scalar.NAME.last`` / ``.min`` in run filters)."""
+
+    __tablename__ = "run_scalar_names"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    last_step: Mapped[int | None] = mapped_column(BigInteger)
+    """the highest step logged, and at it the lowest rank and its value (kept at ingest)"""
+    last_rank: Mapped[int | None] = mapped_column(Integer)
+    last_value: Mapped[float | None] = mapped_column(Double)
+    min_value: Mapped[float | None] = mapped_column(Double)
+
+
+class RunScalar(Base):
+    """One training-scalar value per (run, name, step, rank), the first logged (``store/scalars.py``)."""
+
+    __tablename__ = "run_scalars"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    value: Mapped[float] = mapped_column(Double)
+
+
+__all__ += ["RunScalarName", "RunScalar"]

@@ -1,9 +1,12 @@
-"""Alert delivery: Slack (incoming webhook, Block Kit) and a generic JSON webhook.
+"""Alert delivery: Slack (incoming webhook, Block Kit), a generic JSON webhook and Alertmanager's v2 API.
 
 Deliveries go through a bounded queue to one daemon thread, with capped exponential backoff and
 jitter on connection errors, 429 and 5xx (honouring Retry-After). Nothing here can block or fail
 the caller: a full queue drops the message and counts it; a dead receiver costs retries, then a
 log line and a counter.
+Alertmanager forgets an alert that is not re-sent within its ``resolve_timeout``; the notifier
+re-posts every alert it knows to be firing every ``alertmanager_resend_s`` (Prometheus does the
+same), and posts a resolved alert once with ``endsAt``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from typing import Any
 
 from .analysis.explain import explanation, metric_label
 
-__all__ = ["Notifier", "slack_message", "webhook_payload", "format_value", "explain_alert"]
+__all__ = ["Notifier", "slack_message", "webhook_payload", "alertmanager_alert", "format_value", "explain_alert",
+           "CRITICAL_KINDS"]
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +142,42 @@ def _context(alert: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+_HEALTH_KINDS = {"hang": "Run hung", "node_lost": "Node lost", "failure": "Run failed"}
+
+
+def _health_sentence(alert: dict[str, Any], event: str) -> str:
+    """A run-health alert (hang, node_lost, failure) in one sentence: its finding, or that it resolved."""
+    d = alert.get("details") or {}
+    if event == "resolved":
+        run = d.get("run_name") or alert.get("run_id")
+        if alert.get("kind") == "failure":
+            return f"the failure of run {run} was resolved"
+        return f"run {run} resumed: steps finish again"
+    return str(d.get("finding") or f"run {alert.get('run_id')}: {alert['kind']}")
+
+
+def _health_slack(alert: dict[str, Any], event: str) -> dict[str, Any]:
+    sentence = _esc(_health_sentence(alert, event))
+    title = "Resolved" if event == "resolved" else _HEALTH_KINDS.get(alert["kind"], alert["kind"])
+    emoji = ":white_check_mark:" if event == "resolved" else ":rotating_light:"
+    url = alert.get("url")
+    link = f" <{url}|open in fleetscope>" if url and url.startswith("http") else ""
+    blocks: list[dict[str, Any]] = [
+        {"type": "header", "text": {"type": "plain_text", "text": f"{title} · fleetscope", "emoji": True}},
+        {"type": "section", "text": {"type": "mrkdwn", "text": f"{emoji} {sentence}{link}"}},
+    ]
+    if url and url.startswith("http"):
+        blocks.append({"type": "actions", "elements": [
+            {"type": "button", "text": {"type": "plain_text", "text": "Open in fleetscope"}, "url": url}]})
+    blocks.append({"type": "context", "elements": [
+        {"type": "mrkdwn", "text": f"alert #{alert['id']} · {alert['kind']} · state {alert['state']}"}]})
+    return {"text": f"{title}: {sentence} {url or ''}".strip(), "blocks": blocks}
+
+
 def slack_message(alert: dict[str, Any], event: str) -> dict[str, Any]:
     """``text`` (notification fallback) and Block Kit ``blocks`` for one alert event."""
+    if alert.get("kind") in _HEALTH_KINDS:  # run health: one sentence with the deep link
+        return _health_slack(alert, event)
     head = _headline(alert, event)
     emoji = ":white_check_mark:" if event == "resolved" else ":rotating_light:"
     d = alert.get("details") or {}
@@ -178,17 +216,80 @@ def slack_message(alert: dict[str, Any], event: str) -> dict[str, Any]:
 def webhook_payload(alert: dict[str, Any], event: str) -> dict[str, Any]:
     """The generic webhook's JSON body: the event, a one-line summary, the explanation sentence and the
     alert as the API shows it."""
+    if alert.get("kind") in _HEALTH_KINDS:
+        return {"event": event, "summary": _health_sentence(alert, event), "explanation": None, "alert": alert}
     return {"event": event, "summary": _headline(alert, event), "explanation": explain_alert(alert), "alert": alert}
 
 
+#: alert kinds Alertmanager gets as ``severity="critical"`` (a run stopped); the rest are ``warning``
+CRITICAL_KINDS = frozenset({"hang", "failure", "node_lost"})
+#: the most firing alerts re-sent to Alertmanager (the oldest are forgotten first)
+_MAX_AM_FIRING = 5000
+
+
+def _label(v: Any, n: int = 256) -> str:
+    return "" if v is None else str(v)[:n]
+
+
+def alertmanager_alert(alert: dict[str, Any], event: str, *, run: tuple[str, str | None] | None = None,
+                       generator_url: str | None = None) -> dict[str, Any]:
+    """One alert in Alertmanager's v2 form (``POST /api/v2/alerts`` takes a list of these): labels that
+    identify it (``alertname``, ``severity``, ``kind``, ``metric``, ``run``, ``family``, ``alert_id``),
+    annotations (``summary``, ``description``, ``runbook_url``: the deep link), ``startsAt``, ``endsAt``
+    when resolved, and ``generatorURL``. ``run`` is (name, family) of the alert's run."""
+    import datetime as dt
+
+    d = alert.get("details") or {}
+    kind = str(alert.get("kind") or "alert")
+    name, family = run if run is not None else (None, None)
+    labels = {
+        "alertname": "Fleetscope" + "".join(p.capitalize() for p in kind.split("_")),
+        "severity": "critical" if kind in CRITICAL_KINDS else "warning",
+        "service": "fleetscope",
+        "kind": kind,
+        "metric": _label(alert.get("metric")),
+        "run": _label(name),
+        "family": _label(family or d.get("family")),
+        "alert_id": _label(alert.get("id")),
+    }
+    url = alert.get("url") if str(alert.get("url") or "").startswith("http") else None
+    summary = _health_sentence(alert, event) if kind in _HEALTH_KINDS else _headline_plain(alert, event)
+    annotations = {"summary": _label(summary, 1000),
+                   "description": _label(explain_alert(alert) or summary, 4000)}
+    if url:
+        annotations["runbook_url"] = url
+    now = dt.datetime.now(dt.timezone.utc).isoformat()
+    out: dict[str, Any] = {"labels": {k: v for k, v in labels.items() if v != ""}, "annotations": annotations,
+                           "startsAt": alert.get("created_at") or now,
+                           "generatorURL": url or generator_url or ""}
+    if event == "resolved":
+        out["endsAt"] = alert.get("resolved_at") or now
+    return out
+
+
+def _headline_plain(alert: dict[str, Any], event: str) -> str:
+    try:
+        return _headline(alert, event).replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">")
+    except Exception:  # noqa: BLE001 - an alert of a kind without before/after (hang, failure)
+        return f"{alert.get('kind')} alert #{alert.get('id')}"
+
+
 class Notifier:
-    """Posts alert events to Slack and/or a generic webhook from a background thread."""
+    """Posts alert events to Slack, a generic webhook and/or Alertmanager from a background thread."""
 
     def __init__(self, *, slack_webhook_url: str | None = None, webhook_url: str | None = None,
+                 alertmanager_url: str | None = None, run_info: Any = None, generator_url: str | None = None,
+                 alertmanager_resend_s: float = 60.0,
                  timeout_s: float = 5.0, retries: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  queue_size: int = 1000) -> None:
         self.slack_webhook_url = slack_webhook_url
         self.webhook_url = webhook_url
+        self.alertmanager_url = alertmanager_url.rstrip("/") if alertmanager_url else None
+        #: ``run_info(run_id) -> (name, family) | None`` for Alertmanager's labels
+        self.run_info = run_info
+        self.generator_url = generator_url
+        self.alertmanager_resend_s = alertmanager_resend_s
+        self._am_firing: dict[Any, dict[str, Any]] = {}
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
@@ -202,7 +303,7 @@ class Notifier:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.slack_webhook_url or self.webhook_url)
+        return bool(self.slack_webhook_url or self.webhook_url or self.alertmanager_url)
 
     def notify(self, alert: dict[str, Any], event: str) -> None:
         """Queue one alert event for delivery (never blocks, never raises)."""
@@ -227,8 +328,16 @@ class Notifier:
             self._thread.join(timeout)
 
     def _loop(self) -> None:
+        import time
+
+        next_resend = time.monotonic() + self.alertmanager_resend_s
         while True:
-            item = self._q.get()
+            try:
+                item = self._q.get(timeout=max(0.05, next_resend - time.monotonic()) if self._am_firing else None)
+            except queue.Empty:  # time to remind Alertmanager of what still fires
+                next_resend = time.monotonic() + self.alertmanager_resend_s
+                self._deliver("alertmanager", self._post_alertmanager_firing, {"id": "firing"}, "fired")
+                continue
             if item is None or self._stop.is_set() and self._q.empty():
                 return
             event, alert = item
@@ -236,6 +345,8 @@ class Notifier:
                 self._deliver("slack", self._post_slack, alert, event)
             if self.webhook_url:
                 self._deliver("webhook", self._post_webhook, alert, event)
+            if self.alertmanager_url:
+                self._deliver("alertmanager", self._post_alertmanager, alert, event)
 
     def _deliver(self, target: str, send: Any, alert: dict[str, Any], event: str) -> None:
         delay = self.backoff_s
@@ -274,6 +385,41 @@ class Notifier:
         import httpx
 
         r = httpx.post(self.webhook_url or "", json=webhook_payload(alert, event), timeout=self.timeout_s)
+        return r.status_code, _float(r.headers.get("Retry-After"))
+
+
+    def _am_payload(self, alert: dict[str, Any], event: str) -> dict[str, Any]:
+        run = None
+        if self.run_info is not None and alert.get("run_id") is not None:
+            try:
+                run = self.run_info(int(alert["run_id"]))
+            except Exception:  # noqa: BLE001 - the database blinked: send without the run's name
+                log.debug("alertmanager: run %s not looked up", alert.get("run_id"), exc_info=True)
+        return alertmanager_alert(alert, event, run=run, generator_url=self.generator_url)
+
+    def _post_alertmanager(self, alert: dict[str, Any], event: str) -> tuple[int, float | None]:
+        key = alert.get("id")
+        payload = self._am_payload(alert, event)
+        status, retry_after = self._post_am([payload])
+        if 200 <= status < 300:
+            if event == "resolved":
+                self._am_firing.pop(key, None)
+            else:
+                self._am_firing.pop(key, None)
+                self._am_firing[key] = payload
+                while len(self._am_firing) > _MAX_AM_FIRING:
+                    self._am_firing.pop(next(iter(self._am_firing)))
+        return status, retry_after
+
+    def _post_alertmanager_firing(self, _alert: dict[str, Any], _event: str) -> tuple[int, float | None]:
+        if not self._am_firing:
+            return 200, None
+        return self._post_am(list(self._am_firing.values()))
+
+    def _post_am(self, alerts: list[dict[str, Any]]) -> tuple[int, float | None]:
+        import httpx
+
+        r = httpx.post(f"{self.alertmanager_url}/api/v2/alerts", json=alerts, timeout=self.timeout_s)
         return r.status_code, _float(r.headers.get("Retry-After"))
 
 

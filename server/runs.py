@@ -38,6 +38,10 @@ class RunRegistration(BaseModel):
     git_commit: str | None = Field(default=None, max_length=64)
     started_at: float | None = Field(default=None, ge=0, le=1e11, description="unix time the job started")
     meta: dict[str, Any] = Field(default_factory=dict, description=f"at most {MAX_DEPTH} levels deep")
+    job_id: str | None = Field(default=None, min_length=1, max_length=128,
+                               description="the job this run is an attempt of (launcher / torchrun / SLURM id)")
+    attempt: int = Field(default=0, ge=0, le=10_000, strict=True,
+                         description="0 = the job's first attempt, k = its k-th restart: a run of its own")
 
     @field_validator("peak_flops", "started_at", mode="before")
     @classmethod
@@ -48,7 +52,7 @@ class RunRegistration(BaseModel):
             raise ValueError("must be finite")
         return v
 
-    @field_validator("name", "model_family", "device_type", "git_commit")
+    @field_validator("name", "model_family", "device_type", "git_commit", "job_id")
     @classmethod
     def _text(cls, v: str | None) -> str | None:
         return valid_text(v)
@@ -102,7 +106,7 @@ def register_run(engine: Engine, reg: RunRegistration, *, owner_token_id: int | 
         signature=config_signature(reg.config), world_size=reg.world_size, mp_size=_mp_size(reg),
         device_type=reg.device_type, device_count=reg.device_count, peak_flops=reg.peak_flops, git_commit=reg.git_commit,
         meta_json=json.dumps(reg.meta, allow_nan=False, default=str), started_at=reg.started_at,
-        owner_token_id=owner_token_id, owner_key=owner_key,
+        owner_token_id=owner_token_id, owner_key=owner_key, job_id=reg.job_id, attempt=reg.attempt,
     )
 
 

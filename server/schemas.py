@@ -121,6 +121,13 @@ class RunOut(BaseModel):
 
 class RunsResponse(BaseModel):
     runs: list[RunOut]
+    total: int | None = None
+    """runs matching the filters (all pages)"""
+    offset: int | None = None
+    limit: int | None = None
+    groups: list[dict[str, Any]] | None = None
+    """with ``group_by``: one row per group (its keys, count, median_mfu, median_tokens_per_s_per_gpu, median_step_s)"""
+    group_by: list[str] | None = None
 
 
 class Decomposition(BaseModel):
@@ -146,8 +153,28 @@ class Bottleneck(BaseModel):
     finding: str
 
 
+class Goodput(BaseModel):
+    """Wall time split into productive step time and what was lost, by category (docs/metrics.md "Goodput")."""
+
+    model_config = ConfigDict(extra="allow")
+    wall_s: float
+    productive_s: float
+    fraction: float | None
+    lost: dict[str, float]
+
+
+class FlopsPerRankStep(BaseModel):
+    """FLOPs one rank executes in one optimizer step (median over steps), and their source."""
+
+    model_config = ConfigDict(extra="allow")
+    model: float | None = None
+    hardware: float | None = None
+    source: str | None = None
+
+
 class SummaryResponse(BaseModel):
     model_config = ConfigDict(extra="allow")
+    goodput: Goodput | None = None
     run: RunOut
     rank_steps: int
     collective_records: int
@@ -156,6 +183,38 @@ class SummaryResponse(BaseModel):
     tokens_per_s: float | None
     stragglers: list[Straggler]
     bottlenecks: list[Bottleneck]
+    # every other key the summary returns (reports.run_summary; docs/api.md and docs/metrics.md describe them)
+    steps: int | None = None
+    phases: dict[str, Any] | None = Field(None, description="forward/backward/optimizer and custom phases: "
+                                                                      "median seconds per step")
+    comm_total_s: float | None = None
+    overlap_ratio: float | None = None
+    step_s_p50: float | None = None
+    step_s_p95: float | None = None
+    hfu: float | None = None
+    recompute_overhead: float | None = None
+    mfu_flag: str | None = None
+    hfu_flag: str | None = None
+    mfu_estimated: bool | None = None
+    flops_source: str | None = None
+    flops_per_rank_step: FlopsPerRankStep | None = None
+    tokens_per_s_per_gpu: float | None = None
+    packing_efficiency: float | None = None
+    mem_peak_bytes: float | None = None
+    alloc_retries: float | None = None
+    memory: dict[str, Any] | None = Field(None, description="per-rank peaks, imbalance, fragmentation, OOMs")
+    negative_residual_steps: int | None = None
+    diagnosis: dict[str, Any] | None = Field(None, description="ranked causes of lost step time, with advice")
+    compile: dict[str, Any] | None = Field(None, description="torch.compile recompiles and graph breaks")
+    graph_collectives: dict[str, Any] | None = Field(None, description="collectives only the Flight Recorder saw")
+    token_balance: dict[str, Any] | None = None
+    network: dict[str, Any] | None = Field(None, description="slow ranks and nodes on the network")
+    overlap_advice: list[Any] | None = None
+    folded: dict[str, Any] | None = Field(None, description="records folded or dropped to keep the run within bounds")
+    comm_by_dim: dict[str, Any] | None = Field(None, description="communication by parallel dimension")
+    pipeline: dict[str, Any] | None = None
+    parallel_findings: list[Any] | None = None
+    seq_len_hist: dict[str, Any] | None = Field(None, description="sequence lengths (packing)")
 
 
 class AlertOut(BaseModel):

@@ -38,8 +38,9 @@ class Settings(BaseSettings):
     allow_public_unauthenticated: bool = Field(default=False, description="serve reads on a non-loopback address "
                                                "without --read-auth")
     auth_fail_limit: int = Field(default=20, ge=1, le=100_000, description=(
-        "failed authentications per client address per window; beyond it each further failing request gets "
-        "429 (a request with a valid token still passes)"))
+        "failed authentications per credential per window (each presented token has its own count; requests "
+        "without a token, one count per client address); beyond it each further failing request with that "
+        "credential gets 429 — a valid token never fails, so it is never locked out"))
     auth_fail_window_s: float = Field(default=60.0, gt=0, description="the window of auth_fail_limit")
     forwarded_allow_ips: Annotated[list[str], NoDecode] = Field(default_factory=list, description=(
         "addresses or networks of proxies whose X-Forwarded-For names the client (comma-separated; '*': any "
@@ -72,9 +73,27 @@ class Settings(BaseSettings):
     public_url: str | None = Field(default=None, description="dashboard base URL used in deep links")
     slack_webhook_url: str | None = Field(default=None, repr=False)
     alert_webhook_url: str | None = Field(default=None, repr=False, description="generic JSON webhook for alerts")
+    alertmanager_url: str | None = Field(default=None, repr=False, description=(
+        "Alertmanager base URL (http://alertmanager:9093): alerts are POSTed to its /api/v2/alerts, "
+        "with endsAt when they resolve"))
+    metrics_max_runs: int = Field(default=200, ge=0, le=10_000, description=(
+        "per-run gauges on /metrics for at most this many running/stalled/hung runs, the most recently "
+        "active first (0: none)"))
+    cluster_metrics: bool = Field(default=True, description=(
+        "export the cluster-wide gauges (fleetscope_cluster_*, fleetscope_run_*) on /metrics; turn off on "
+        "all instances but one, or aggregate them with max()"))
     alerts_enabled: bool = Field(default=True, description="run regression detection after compaction passes")
     alert_interval_s: float = Field(default=5.0, description="at most one detection pass this often")
     alert_step_check_interval_s: float = Field(default=60.0, description="within-run detection per running run")
+    # run health (docs/metrics.md "Run states"): stalled / hung / failed, and their alerts
+    health_enabled: bool = Field(default=True, description="run the health pass (run states, hang/failure alerts)")
+    health_interval_s: float = Field(default=5.0, gt=0, le=60, description="how often the health pass runs")
+    stall_min_s: float = Field(default=60.0, gt=0, description="a run is stalled after at least this long without a step")
+    stall_factor: float = Field(default=10.0, gt=0, description="... or this many times its p99 step time, if longer")
+    stall_first_s: float = Field(default=600.0, gt=0, description="before its first step: stalled after this long")
+    stall_silence_s: float = Field(default=30.0, gt=0, description="a rank whose last position is older is silent")
+    pause_max_s: float = Field(default=1800.0, gt=0,
+                               description="a declared pause holds off the stall detector at most max(2 × expected, this)")
 
     @field_validator("retention_overrides", mode="before")
     @classmethod

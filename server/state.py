@@ -9,6 +9,7 @@ from sqlalchemy import Engine
 from .alerts import AlertWorker
 from .auth import TokenVerifier
 from .compactor import Compactor
+from .health_pass import HealthWorker
 from .ingest import IngestService
 from .metrics import ServiceMetrics
 from .notifier import Notifier
@@ -30,3 +31,4 @@ class AppState:
     notifier: Notifier
     alerts: AlertWorker
     ready: bool = False
+    health: HealthWorker | None = None  # the health pass (run states, hang/failure alerts)

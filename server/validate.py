@@ -15,6 +15,7 @@ import numpy as np
 
 from fleetscope.wire import COLLECTIVE_OPS, SECTIONS, WIRE_VERSION, Field
 
+from . import health_wire, scalars_wire
 from .groups import Group, from_progression, from_ranks
 from .jsonsafe import MAX_ITEMS, UnsafeValue, check_json, check_text
 from .limits import (
@@ -431,7 +432,12 @@ def _events(items: list[tuple[str, Any]], world_size: int) -> tuple[list[dict[st
             if g is not None:
                 groups.setdefault((g.dim, g.key), [g, 0])[1] += 1
             continue
+        if kind == scalars_wire.SCALARS_KIND and step is None:
+            raise BatchError(f"{where}.step", "is required in a scalars event (the step its values belong to)")
         data, folded = _event_data(kind, data, f"{where}.data")
+        if kind == "failure" and type(data.get("rank")) is int and data["rank"] >= world_size:  # run health
+            raise BatchError(f"{where}.data.rank", f"must be a rank of the run (< world size {world_size})",
+                             got=data["rank"])
         out.append({"rank": rank, "seq": seq, "kind": kind, "ts": ts, "step": step, "data": data, "folded": folded})
     return out, [(g, n) for g, n in groups.values()]
 
@@ -596,6 +602,10 @@ _KIND_CHECKS: dict[str, Callable[[dict[str, Any], str], bool]] = {
     "graph_break": _graph_break,
     "compile_summary": _compile_summary,
 }
+# run health (issue 21): where each rank is, failures, declared pauses (store/health.py keeps them)
+_KIND_CHECKS.update(health_wire.kind_checks(BatchError))
+# training scalars (run.log): {name: finite number}, stored in run_scalars (store/scalars.py)
+_KIND_CHECKS.update(scalars_wire.kind_checks(BatchError))
 
 
 def _event_data(kind: str, data: dict[str, Any], where: str) -> tuple[dict[str, Any], bool]:

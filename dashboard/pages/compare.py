@@ -10,7 +10,7 @@ import dash
 from dash import Input, Output, clientside_callback, dcc, html
 from fleetscope.server import reports
 
-from .. import _state
+from .. import _state, scalars_panel
 from .. import figures as F
 from ..components import (
     URL_SYNC_JS,
@@ -84,6 +84,7 @@ def layout(runs: str | None = None, diff: str | None = None, **_: Any) -> html.D
         html.Div([section(None, loading(graph(SERIES)), cls="fs-col-7"),
                   section(None, loading(graph(DECOMP)), cls="fs-col-5")], className="fs-row"),
         section(None, loading(graph(COMM_DIMS))),
+        scalars_panel.compare_panel(ids),  # one training scalar overlaid across the runs (dashboard/scalars_panel.py)
         section("Config", loading(html.Div(id=CONFIG))),
     ])
 

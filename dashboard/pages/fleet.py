@@ -22,6 +22,7 @@ from ..components import (
     md_escape,
     page_header,
 )
+from ..health_panel import fleet_goodput_kpi, health_first
 from ..theme import FONT, fmt_num, fmt_time
 
 dash.register_page(__name__, path="/", name="Fleet", title="fleetscope · fleet", order=0)
@@ -36,7 +37,7 @@ EMPTY = "fleet-empty"
 URL = "fleet-url"
 COUNT = "fleet-count"
 
-STATUSES = ("running", "finished", "failed", "aborted")
+STATUSES = ("running", "stalled", "hung", "finished", "failed", "aborted")
 LIMIT = 2000
 _SORTABLE = {"name", "model_family", "world_size", "device_type", "status", "started", "steps", "mfu", "tokens_per_s",
              "tokens_per_s_per_gpu", "step_s_p50", "step_s_p95", "alerts_firing"}
@@ -58,6 +59,7 @@ COLUMNS = [
      "format": Format(precision=3, scheme=Scheme.fixed)},
     {"id": "bottleneck", "name": "top bottleneck (share · Amdahl ceiling)"},
     {"id": "alerts_firing", "name": "alerts", "type": "numeric"},
+    {"id": "health", "name": "where it stopped and why"},
 ]
 
 
@@ -93,6 +95,7 @@ def layout(family: str | None = None, status: str | None = None, q: str | None =
             dash_table.DataTable(
                 id=TABLE, columns=COLUMNS, data=[], sort_action="native", sort_mode="single", sort_by=_parse_sort(sort),
                 page_action="native", page_size=30, markdown_options={"link_target": "_self"},
+                export_format="csv", export_headers="display",  # an "Export" button: every row, as sorted
                 style_as_list_view=True, cell_selectable=False,
                 style_table={"overflowX": "auto"},
                 style_header={"fontFamily": FONT, "fontWeight": 600, "backgroundColor": "#f6f8fa", "borderBottom": "1px solid #d0d7de",
@@ -107,6 +110,8 @@ def layout(family: str | None = None, status: str | None = None, q: str | None =
                      "color": "#b42318", "fontWeight": 700},
                     {"if": {"filter_query": '{status} = "running"', "column_id": "status"}, "color": "#0072B2", "fontWeight": 600},
                     {"if": {"filter_query": '{status} = "failed"', "column_id": "status"}, "color": "#b42318", "fontWeight": 600},
+                    {"if": {"filter_query": '{status} = "hung" || {status} = "stalled"', "column_id": "status"},
+                     "color": "#b42318", "fontWeight": 700},
                 ],
             ),
         ]), lid="fleet-loading"),
@@ -157,6 +162,7 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         "step_s_p95": r.get("step_s_p95"),
         "bottleneck": _bottleneck(r.get("top_bottleneck")),
         "alerts_firing": r.get("alerts_firing", 0),
+        "health": r.get("health_finding") or "",
     }
 
 
@@ -186,6 +192,7 @@ def _fill(family: str | None, status: str | None, q: str | None) -> tuple[Any, .
                  "# or everything at once:", "fleetscope demo"],
             )
         return [], [], empty, {"display": "none"}, ""
+    rows = health_first(eng, rows)  # hung, stalled and recently failed runs first, with their finding
     running = [r for r in rows if r["status"] == "running"]
     gpus = sum(r["world_size"] or 0 for r in running)
     fleet_tps = sum(r["tokens_per_s"] or 0 for r in running)
@@ -197,6 +204,7 @@ def _fill(family: str | None, status: str | None, q: str | None) -> tuple[Any, .
         kpi("fleet throughput", f"{fmt_num(fleet_tps)} tokens/s" if running else "–", "sum over running runs"),
         kpi("median MFU", f"{mfus[len(mfus) // 2] * 100:.1f} %" if mfus else "–", "over listed runs"),
         kpi("firing alerts", f"{alerts}", "regressions, stragglers", tone="bad" if alerts else None),
+        fleet_goodput_kpi(eng),
     ]
     count = f"{len(rows):,} runs" + (f" (the newest {LIMIT:,}: filter to narrow)" if len(rows) >= LIMIT else "")
     return [_row(r) for r in rows], kpis, None, {"overflowX": "auto"}, count

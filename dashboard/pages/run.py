@@ -16,7 +16,7 @@ import dash
 from dash import Input, Output, clientside_callback, dcc, html
 from fleetscope.server import reports
 
-from .. import _state
+from .. import _state, scalars_panel
 from .. import figures as F
 from ..components import (
     URL_SYNC_JS,
@@ -28,10 +28,12 @@ from ..components import (
     kpi_strip,
     loading,
     page_header,
+    render_error,
     section,
     simple_table,
     status_badge,
 )
+from ..health_panel import attempts_table, health_panel, run_health
 from ..theme import COMPONENT_COLORS, fmt_bytes, fmt_num, fmt_pct, fmt_s, fmt_time
 
 dash.register_page(__name__, path_template="/runs/<run_id>", name="Run", title="fleetscope · run", order=1)
@@ -98,12 +100,14 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
     return html.Div([
         dcc.Store(id=RUN, data=rid), dcc.Store(id=URL),
         page_header(run["name"], sub, right),
+        *_health(rid),  # leads the page when the run is stalled, hung or failed (dashboard/health_panel.py)
         _thinned_note(run.get("thinned")),
         _folded_note(reports.run_folded(eng, rid)),
         loading(kpi_strip([], kid=KPIS)),
         section("Diagnosis", loading(html.Div(id=DIAGNOSIS))),
         section("Bottlenecks · Amdahl ceilings", loading(html.Div(id=BOTTLENECK_TEXT))),
         section(None, loading(graph(DECOMPOSITION))),
+        scalars_panel.run_panel(rid),  # loss & co. on the step axis beside step time (dashboard/scalars_panel.py)
         loading(html.Div(id=COMPILE)),
         loading(html.Div(id=KERNELS)),
         section(None, loading(graph(HEATMAP)), right=html.Div([
@@ -127,6 +131,13 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
         loading(html.Div(id=EXTRAS)),
         section("Config", loading(html.Div(id=CONFIG))),
     ], className="fs-run")
+
+
+@contained("health panel", fallback=lambda why, *a: [render_error(why)])
+def _health(rid: int) -> list[Any]:
+    """The health panel (stalled / hung / failed: where and why) and the job's attempts."""
+    h = run_health(rid)
+    return [health_panel(rid, h), attempts_table(h)]
 
 
 @contained("thinned-run note")

@@ -96,7 +96,7 @@ def _attach(result: dict[str, Any], *, server: str, token: str | None, run: str,
             # registering is idempotent within the token's namespace (its team, else the token): it
             # joins the job's run when the job used a token of the same owner, else makes one of its
             # own — never another owner's run, which would answer 403
-            found = [r for r in c.runs(name=run) if r.get("name") == run]
+            found = [r for r in c.run_list(name=run) if r.get("name") == run]
             meta = {} if found else {"created_by": "import-trace"}
             run_id = c.register_run({"name": run, "world_size": world, "meta": meta})
             body = {**result, "source": source[:512]}

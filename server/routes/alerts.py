@@ -9,8 +9,9 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import alerts as alert_lifecycle
 from .. import reports
+from ..api_models import RunCheck
 from ..deps import AdminAuth, State
-from ..schemas import AlertsResponse
+from ..schemas import AlertOut, AlertsResponse
 
 router = APIRouter(tags=["alerts"])
 
@@ -22,14 +23,14 @@ RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
 def get_alerts(
     st: State,
     state: Annotated[str | None, Query(pattern="^(firing|resolved|acknowledged)$")] = None,
-    kind: Annotated[str | None, Query(pattern="^(run_series|benchmark|step_time_shift|straggler|slow_node)$")] = None,
+    kind: Annotated[str | None, Query(pattern="^(run_series|benchmark|step_time_shift|straggler|slow_node|hang|node_lost|failure)$")] = None,
     run_id: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 500,
 ) -> Any:
     return {"alerts": reports.list_alerts(st.engine, state=state, kind=kind, run_id=run_id, limit=limit)}
 
 
-@router.get("/alerts/{alert_id}", summary="One alert")
+@router.get("/alerts/{alert_id}", response_model=AlertOut, summary="One alert")
 def get_alert(alert_id: AlertId, st: State) -> dict[str, Any]:
     a = reports.get_alert(st.engine, alert_id)
     if a is None:
@@ -44,17 +45,17 @@ def _transition(alert_id: int, st: State, state: str) -> dict[str, Any]:
     return a
 
 
-@router.post("/alerts/{alert_id}/ack", dependencies=[AdminAuth], summary="Acknowledge a firing alert (it stays active)")
+@router.post("/alerts/{alert_id}/ack", dependencies=[AdminAuth], response_model=AlertOut, summary="Acknowledge a firing alert (it stays active)")
 def post_ack(alert_id: AlertId, st: State) -> dict[str, Any]:
     return _transition(alert_id, st, "acknowledged")
 
 
-@router.post("/alerts/{alert_id}/resolve", dependencies=[AdminAuth], summary="Resolve an alert by hand (the same regression is not raised again)")
+@router.post("/alerts/{alert_id}/resolve", dependencies=[AdminAuth], response_model=AlertOut, summary="Resolve an alert by hand (the same regression is not raised again)")
 def post_resolve(alert_id: AlertId, st: State) -> dict[str, Any]:
     return _transition(alert_id, st, "resolved")
 
 
-@router.get("/runs/{run_id}/check", tags=["regressions"],
+@router.get("/runs/{run_id}/check", tags=["regressions"], response_model=RunCheck,
             summary="Is this run a regression against its family's baseline? (fleetscope check)")
 async def get_check(run_id: RunId, st: State) -> dict[str, Any]:
     res = await run_in_threadpool(reports.check_run, st.engine, run_id)

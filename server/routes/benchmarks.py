@@ -10,6 +10,7 @@ from fastapi import APIRouter, HTTPException, Path, Query
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .. import reports
+from ..api_models import BenchmarkList, BenchmarkSeries, BenchmarksRecorded
 from ..deps import IngestAuth, State
 from ..jsonsafe import valid_json, valid_text
 from ..store import benchmarks as store
@@ -60,7 +61,7 @@ class BenchmarkBatch(BaseModel):
         return v
 
 
-@router.post("/benchmarks", dependencies=[IngestAuth], summary="Record benchmark points (series keyed by name, cluster, params)")
+@router.post("/benchmarks", dependencies=[IngestAuth], response_model=BenchmarksRecorded, summary="Record benchmark points (series keyed by name, cluster, params)")
 def post_benchmarks(batch: BenchmarkBatch, st: State) -> dict[str, Any]:
     now = dt.datetime.now(dt.timezone.utc)
     ids = store.record_points(st.engine, batch.cluster, [
@@ -71,7 +72,7 @@ def post_benchmarks(batch: BenchmarkBatch, st: State) -> dict[str, Any]:
     return {"series": sorted(set(ids)), "points": len(batch.points)}
 
 
-@router.get("/benchmarks", summary="Benchmark series with their points")
+@router.get("/benchmarks", response_model=BenchmarkList, summary="Benchmark series with their points")
 def get_benchmarks(
     st: State,
     cluster: Annotated[str | None, Query(max_length=128)] = None,
@@ -81,7 +82,7 @@ def get_benchmarks(
     return {"series": reports.benchmark_series(st.engine, cluster=cluster, name=name, points=points)}
 
 
-@router.get("/benchmarks/{series_id}", summary="One benchmark series")
+@router.get("/benchmarks/{series_id}", response_model=BenchmarkSeries, summary="One benchmark series")
 def get_benchmark(series_id: SeriesId, st: State,
                   points: Annotated[int, Query(ge=1, le=100_000)] = 1000) -> dict[str, Any]:
     s = reports.benchmark_series(st.engine, series_id=series_id, points=points)

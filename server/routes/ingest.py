@@ -13,6 +13,7 @@ from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 
 from ..deps import IngestAuth, IngestCaller, State
+from ..errors import error_body
 from ..ingest import Overloaded
 from ..ownership import forbidden_detail, owners_for
 from ..schemas import INGEST_BODY_SCHEMA, IngestResponse
@@ -22,12 +23,16 @@ from ..validate import BatchError
 router = APIRouter(tags=["ingest"])
 log = logging.getLogger(__name__)
 
-_REASONS = {400: "malformed", 401: "auth", 403: "forbidden", 413: "too_large", 415: "unsupported", 422: "invalid"}
+_REASONS = {400: "malformed", 401: "auth", 403: "forbidden", 413: "too_large", 415: "unsupported", 422: "invalid",
+            429: "backlog", 503: "db_unavailable"}
+#: Overloaded's reasons (server/ingest.py) as metric reasons
+_OVERLOAD = {"compaction backlog": "backlog", "ingest queue full": "queue_full", "ingest writers busy": "writers_busy"}
 
 
-def _error(st: AppState, status: int, detail: str | dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
-    st.metrics.rejections.labels(_REASONS.get(status, "overloaded" if status in (429, 503) else str(status))).inc()
-    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+def _error(st: AppState, status: int, detail: str | dict[str, Any], headers: dict[str, str] | None = None, *,
+           reason: str | None = None, records: int = 0) -> JSONResponse:
+    st.metrics.reject(reason or _REASONS.get(status, str(status)), records)
+    return JSONResponse(error_body(status, detail), status_code=status, headers=headers)
 
 
 @router.post(
@@ -88,9 +93,9 @@ async def ingest(request: Request, st: State, who: IngestCaller) -> Any:
     try:
         res = await run_in_threadpool(work)
     except BatchError as e:
-        return _error(st, e.status, e.detail())
+        return _error(st, e.status, e.detail(), records=int(getattr(e, "records", 0) or 0))
     except Overloaded as e:
-        return _error(st, e.status, e.reason, {"Retry-After": str(e.retry_after)})
+        return _error(st, e.status, e.reason, {"Retry-After": str(e.retry_after)}, reason=_OVERLOAD.get(e.reason))
     except (OperationalError, psycopg.OperationalError, TimeoutError) as e:
         log.warning("database unavailable during ingest: %s", type(e).__name__)
         return _error(st, 503, "database unavailable; retry later", {"Retry-After": "2"})

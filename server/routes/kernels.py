@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path, Query
 
 from .. import reports
+from ..api_models import Kernels
 from ..deps import State
 
 router = APIRouter(tags=["traces"])
@@ -14,7 +15,7 @@ router = APIRouter(tags=["traces"])
 RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
 
 
-@router.get("/runs/{run_id}/kernels",
+@router.get("/runs/{run_id}/kernels", response_model=Kernels,
             summary="Top GPU kernels by time across ranks and over the run (sampled trace windows)")
 def get_kernels(run_id: RunId, st: State,
                 top: Annotated[int, Query(ge=1, le=200, description="kernels listed, most time first")] = 20) -> dict[str, Any]:

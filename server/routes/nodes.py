@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path, Query
 
 from .. import reports
+from ..api_models import NodeDetail, NodeList
 from ..deps import State
 from ..limits import MAX_PAGE_ROWS
 
@@ -15,7 +16,7 @@ router = APIRouter(tags=["nodes"])
 NodeName = Annotated[str, Path(min_length=1, max_length=256, description="node name (as the ranks reported it)")]
 
 
-@router.get("/nodes", summary="Nodes ranked by how often they slowed a job, with their latest per-node microbenchmarks")
+@router.get("/nodes", response_model=NodeList, summary="Nodes ranked by how often they slowed a job, with their latest per-node microbenchmarks")
 def get_nodes(st: State,
               limit: Annotated[int, Query(ge=1, le=10_000, description=f"nodes returned (at most {MAX_PAGE_ROWS:,}: a "
                                           "larger limit is clamped)")] = 500,
@@ -24,7 +25,7 @@ def get_nodes(st: State,
     return reports.node_list(st.engine, limit=limit, offset=offset)
 
 
-@router.get("/nodes/{node}", summary="One node: its history over runs and its latest microbenchmarks")
+@router.get("/nodes/{node}", response_model=NodeDetail, summary="One node: its history over runs and its latest microbenchmarks")
 def get_node(node: NodeName, st: State,
              runs: Annotated[int, Query(ge=1, le=1000, description="most recent runs listed")] = 50) -> dict[str, Any]:
     out = reports.node_detail(st.engine, node, runs=runs)

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path, Query
 
 from .. import reports
+from ..api_models import Overlap
 from ..deps import State
 from ..limits import MAX_PAGE_ROWS
 
@@ -15,7 +16,7 @@ router = APIRouter(tags=["runs"])
 RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
 
 
-@router.get("/runs/{run_id}/overlap",
+@router.get("/runs/{run_id}/overlap", response_model=Overlap,
             summary="One rank-step's collectives placed against backward: exposed parts, tail after backward, overlap")
 def get_overlap(
     run_id: RunId, st: State,

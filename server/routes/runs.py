@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Query
+from fastapi import APIRouter, HTTPException, Path, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from .. import reports
+from ..api_models import Collectives, RunDeleted, RunDetail, RunFinished, RunRegistered, Scalars, Steps
 from ..deps import AdminAuth, IngestAuth, IngestCaller, State
+from ..limits import MAX_PAGE_ROWS, MAX_SCALAR_READ_POINTS
 from ..ownership import owners_for
+from ..reports import research
 from ..runs import NotOwner, RunFinish, RunRegistration, delete_run, finish_run, register_run
 from ..schemas import RunsResponse, SummaryResponse
 
@@ -18,7 +21,7 @@ router = APIRouter(tags=["runs"])
 RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
 
 
-@router.post("/runs", dependencies=[IngestAuth],
+@router.post("/runs", dependencies=[IngestAuth], response_model=RunRegistered,
              summary="Register a run (idempotent by name within the token's team, else the token; every rank may call it)")
 def post_run(reg: RunRegistration, st: State, who: IngestCaller) -> dict[str, Any]:
     out = register_run(st.engine, reg, owner_token_id=who.token_id, owner_key=who.owner_key)
@@ -26,7 +29,7 @@ def post_run(reg: RunRegistration, st: State, who: IngestCaller) -> dict[str, An
     return out
 
 
-@router.post("/runs/{run_id}/finish", dependencies=[IngestAuth], summary="Mark a run finished/failed/aborted",
+@router.post("/runs/{run_id}/finish", dependencies=[IngestAuth], response_model=RunFinished, summary="Mark a run finished/failed/aborted",
              responses={403: {"description": "The run belongs to another owner (not this token or its team); "
                                              "nothing changed"}})
 def post_finish(run_id: RunId, body: RunFinish, st: State, who: IngestCaller) -> dict[str, Any]:
@@ -40,7 +43,7 @@ def post_finish(run_id: RunId, body: RunFinish, st: State, who: IngestCaller) ->
     return {"id": run_id, "status": body.status}
 
 
-@router.delete("/runs/{run_id}", dependencies=[AdminAuth],
+@router.delete("/runs/{run_id}", dependencies=[AdminAuth], response_model=RunDeleted,
                summary="Delete a run and everything that hangs off it (admin token)")
 def delete_run_route(run_id: RunId, st: State) -> dict[str, Any]:
     deleted = delete_run(st.engine, run_id)
@@ -52,19 +55,78 @@ def delete_run_route(run_id: RunId, st: State) -> dict[str, Any]:
     return {"id": run_id, "deleted": deleted}
 
 
-@router.get("/runs", response_model=RunsResponse, summary="List runs, newest first")
+_FILTERS_DOC = (
+    "Filters (docs/api.md, \"Run filters\"): `config.KEY=VALUE` (also `!=`, `<`, `>`, `<=`, `>=`, or "
+    "`config.KEY=in:a,b`; the prefixes `eq:` `ne:` `lt:` `gt:` `le:` `ge:` `in:` work for every field), `meta.KEY`, "
+    "`tag=T` (repeatable: all of them), `commit=PREFIX`, `since`/`until` (ISO 8601 or unix seconds), `name`, "
+    "`family`, `status`, figures (`mfu>0.4`) and `scalar.NAME.last` / `scalar.NAME.min`. A bad filter is a 422 "
+    "naming it.")
+
+
+@router.get("/runs", response_model=RunsResponse, summary="List runs: filtered, sorted and paged in SQL",
+            description=_FILTERS_DOC, responses={422: {"description": "A filter, sort or group the server cannot run "
+                                                                      "(the message names the parameter)"}})
 async def get_runs(
+    request: Request,
     st: State,
     name: Annotated[str | None, Query(max_length=256)] = None,
     family: Annotated[str | None, Query(max_length=128)] = None,
     status: Annotated[str | None, Query(max_length=16)] = None,
+    tag: Annotated[list[str] | None, Query(max_length=128, description="a tag of the run (repeatable: all)")] = None,
+    commit: Annotated[str | None, Query(max_length=64, description="a prefix of the run's git commit")] = None,
+    since: Annotated[str | None, Query(max_length=40, description="started at or after (ISO 8601 or unix s)")] = None,
+    until: Annotated[str | None, Query(max_length=40, description="started before (ISO 8601 or unix s)")] = None,
+    sort: Annotated[str | None, Query(max_length=512, description="fields, comma-separated; -FIELD descending "
+                                                                   "(default -started_at)")] = None,
+    offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+    group_by: Annotated[str | None, Query(max_length=300, description="one or two keys: the answer is "
+                                                                       "`groups` with count and medians")] = None,
+    columns: Annotated[str | None, Query(max_length=4000, description="extra columns per run, comma-separated "
+                                                                      "(config.KEY, meta.KEY, figures, scalar.NAME.last)")] = None,
+    figures: Annotated[bool, Query(description="add each run's figures (mfu, step_s, tokens_per_s …)")] = False,
 ) -> Any:
-    runs = await run_in_threadpool(lambda: reports.list_runs(st.engine, name=name, family=family, status=status, limit=limit))
-    return {"runs": runs}
+    items = [(k, v) for k, v in request.query_params.multi_items() if k not in ("columns", "figures")]
+    cols = [c.strip() for c in (columns or "").split(",") if c.strip()][:64]
+    try:
+        q = research.parse_query(items)
+        if q.group_by:
+            return await run_in_threadpool(lambda: {"runs": [], **research.groups_view(st.engine, q)})
+        return await run_in_threadpool(lambda: research.runs_view(st.engine, q, columns=cols, with_figures=figures))
+    except research.QueryError as e:
+        raise HTTPException(status_code=422, detail=f"{e.param}: {e.message}") from None
 
 
-@router.get("/runs/{run_id}", summary="One run")
+@router.get("/runs/{run_id}/scalars", response_model=Scalars, summary="Training scalars of a run (run.log, HF Trainer, Lightning) by step",
+            responses={404: {"description": "No such run"}})
+def get_scalars(
+    run_id: RunId, st: State,
+    names: Annotated[str | None, Query(max_length=33_000, description="names, comma-separated (default: all)")] = None,
+    max_points: Annotated[int, Query(ge=2, le=MAX_SCALAR_READ_POINTS,
+                                     description="points per name at most (min/max downsampling)")] = 2_000,
+) -> dict[str, Any]:
+    if reports.get_run(st.engine, run_id) is None:
+        raise HTTPException(status_code=404, detail=f"run {run_id} not found")
+    wanted = [n for n in (names or "").split(",") if n] if names else None
+    return research.run_scalars(st.engine, run_id, wanted, max_points)
+
+
+@router.get("/runs/{run_id}/steps", response_model=Steps, summary="A run's per-step rows (decomposition, MFU, throughput), paged",
+            responses={404: {"description": "No such run"}})
+def get_steps(
+    run_id: RunId, st: State,
+    offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE_ROWS)] = MAX_PAGE_ROWS,
+    after: Annotated[int | None, Query(ge=-1, le=2**63 - 1, description="rows after this step (a cursor; "
+                                                                          "offset ignored)")] = None,
+) -> dict[str, Any]:
+    out = research.run_steps(st.engine, run_id, offset=offset, limit=limit, after=after)
+    if out is None:
+        raise HTTPException(status_code=404, detail=f"run {run_id} not found")
+    return out
+
+
+@router.get("/runs/{run_id}", response_model=RunDetail, summary="One run")
 def get_run(run_id: RunId, st: State) -> dict[str, Any]:
     run = reports.get_run(st.engine, run_id)
     if run is None:
@@ -80,7 +142,7 @@ def get_summary(run_id: RunId, st: State) -> Any:
     return s
 
 
-@router.get("/runs/{run_id}/collectives", summary="Collectives by op × group × message size, with busbw")
+@router.get("/runs/{run_id}/collectives", response_model=Collectives, summary="Collectives by op × group × message size, with busbw")
 def get_collectives(run_id: RunId, st: State) -> dict[str, Any]:
     if reports.get_run(st.engine, run_id) is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")

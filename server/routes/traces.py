@@ -8,6 +8,7 @@ from fastapi import APIRouter, HTTPException, Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .. import reports
+from ..api_models import TraceList
 from ..deps import IngestAuth, IngestCaller, State
 from ..jsonsafe import UnsafeValue, check_json, valid_text
 from ..ownership import forbidden_detail, owners_for
@@ -118,7 +119,7 @@ def post_traces(run_id: RunId, body: TraceUpload, st: State, who: IngestCaller) 
 
 
 @router.get(
-    "/runs/{run_id}/traces", summary="The run's trace summaries (per rank; rank -1: cross-rank figures)"
+    "/runs/{run_id}/traces", response_model=TraceList, summary="The run's trace summaries (per rank; rank -1: cross-rank figures)"
 )
 def get_traces(run_id: RunId, st: State) -> dict[str, Any]:
     if reports.get_run(st.engine, run_id) is None:

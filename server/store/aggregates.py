@@ -89,7 +89,7 @@ def save_figures(engine: Engine, rows: Mapping[int, tuple[int, str, dict[str, An
             text(
                 "INSERT INTO run_stats (run_id, rank_steps, status, stats, computed_at) "
                 "VALUES (:id, :steps, :status, CAST(:stats AS jsonb), now()) ON CONFLICT (run_id) DO UPDATE SET "
-                "rank_steps = excluded.rank_steps, status = excluded.status, stats = excluded.stats, computed_at = now()"
+                "rank_steps = excluded.rank_steps, status = excluded.status, stats = excluded.stats, computed_at = excluded.computed_at"
             ),
             [{"id": rid, "steps": rs, "status": st, "stats": json.dumps(v, allow_nan=False)}
              for rid, (rs, st, v) in rows.items()],

@@ -31,6 +31,8 @@ from ..limits import (
     MAX_PAGE_ROWS,
     MAX_PIPELINE_STAGES,
 )
+from . import health as health_store
+from . import scalars as scalars_store
 
 __all__ = ["run_events", "job_events", "flops_method", "pipeline_events", "seq_len_bins", "land_events", "Landed", "group_rows",
            "group_ranks", "legacy_groups", "event_limits", "GroupRow", "GROUPS_KIND", "TOTAL_KIND", "EVENT_DATA_BYTES"]
@@ -63,6 +65,14 @@ def land_events(cur: Any, run_id: int, events: Sequence[dict[str, Any]], groups:
     if not events and not groups:
         return out
     cur.execute("SELECT pg_advisory_xact_lock(%s, %s)", (_LOCK_KEY, int(run_id)))
+    if any(e["kind"] == scalars_store.SCALARS_KIND for e in events):  # run.log: to run_scalars (store/scalars.py)
+        n_scalars, out.dropped = scalars_store.land_scalars(
+            cur, run_id, [e for e in events if e["kind"] == scalars_store.SCALARS_KIND])
+        out.events += n_scalars
+        events = [e for e in events if e["kind"] != scalars_store.SCALARS_KIND]
+    # run health (store/health.py): positions and failures to their own bounded tables, pauses applied there too
+    events, health_kept = health_store.land(cur, run_id, events)
+    out.events += health_kept
     new_events, present = _new_events(cur, run_id, events)
     kinds = sorted({e["kind"] for e in new_events} | ({GROUPS_KIND} if groups else set()) | {TOTAL_KIND})
     have = {k: int(n) for k, n in cur.execute(
@@ -92,7 +102,7 @@ def land_events(cur: Any, run_id: int, events: Sequence[dict[str, Any]], groups:
              [json.dumps(e["data"]) for e in keep]),
         )
         stored[TOTAL_KIND] = len(keep)
-    out.events = len(keep) + present
+    out.events += len(keep) + present
     if groups:
         n_groups, n_kept, n_dropped = _land_groups(cur, run_id, groups, have.get(GROUPS_KIND, 0))
         out.events += n_kept
@@ -109,7 +119,7 @@ def land_events(cur: Any, run_id: int, events: Sequence[dict[str, Any]], groups:
             "dropped = run_event_counts.dropped + excluded.dropped, folded = run_event_counts.folded + excluded.folded",
             (run_id, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]),
         )
-    out.dropped = dropped
+    out.dropped.update(dropped)
     return out
 
 

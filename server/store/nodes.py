@@ -64,15 +64,15 @@ def save_node_health(engine: Engine, run_id: int, rank_steps: int, status: str, 
             c.execute(
                 text(
                     "INSERT INTO run_node_health (run_id, node, ranks, straggler_ranks, slow_ranks, slow_network, "
-                    "busbw_ratio, latency_ratio, rank_steps, status, seen_at) "
+                    "busbw_ratio, latency_ratio, rank_steps, status, seen_at, computed_at) "
                     "SELECT :r, :node, :ranks, :straggler_ranks, :slow_ranks, :slow_network, :busbw_ratio, "
-                    ":latency_ratio, :rank_steps, :status, coalesce(last_seen_at, finished_at, started_at) "
+                    ":latency_ratio, :rank_steps, :status, coalesce(last_seen_at, finished_at, started_at), now() "
                     "FROM runs WHERE id = :r "
                     "ON CONFLICT (run_id, node) DO UPDATE SET ranks = excluded.ranks, "
                     "straggler_ranks = excluded.straggler_ranks, slow_ranks = excluded.slow_ranks, "
                     "slow_network = excluded.slow_network, busbw_ratio = excluded.busbw_ratio, "
                     "latency_ratio = excluded.latency_ratio, rank_steps = excluded.rank_steps, "
-                    "status = excluded.status, seen_at = excluded.seen_at, computed_at = now()"
+                    "status = excluded.status, seen_at = excluded.seen_at, computed_at = excluded.computed_at"
                 ),
                 [{"r": run_id, "rank_steps": rank_steps, "status": status, **{k: row[k] for k in _COLS}} for row in rows],
             )
@@ -95,13 +95,16 @@ def has_node_health(engine: Engine, run_id: int) -> bool:
 
 # a run needs its rows (re)computed when it has a rank on a known node and compacted steps, and no row
 # of the same status — or, once it is no longer running, of the same rank_steps (a live run's rows are
-# refreshed by its own summary, not by every read of the node history)
+# refreshed by its own summary, not by every read of the node history). Uncorrelated IN / NOT IN
+# subqueries, not EXISTS on r.id: on Citus `runs` is a reference table and a subquery on a distributed
+# table correlated with it is refused ("complex joins are only supported ..."); uncorrelated ones are
+# planned on their own (the same semi-/anti-join on plain Postgres)
 _STALE = """
 FROM runs r
 WHERE r.steps > 0
-  AND EXISTS (SELECT 1 FROM ranks k WHERE k.run_id = r.id AND coalesce(k.node, k.host) IS NOT NULL)
-  AND NOT EXISTS (SELECT 1 FROM run_node_health h WHERE h.run_id = r.id AND h.status = r.status
-                  AND (r.status = 'running' OR h.rank_steps = r.rank_steps))
+  AND r.id IN (SELECT k.run_id FROM ranks k WHERE coalesce(k.node, k.host) IS NOT NULL)
+  AND r.id NOT IN (SELECT h.run_id FROM run_node_health h JOIN runs f ON f.id = h.run_id
+                   WHERE h.status = f.status AND (f.status IN ('running', 'stalled', 'hung') OR h.rank_steps = f.rank_steps))
 """
 
 

@@ -29,7 +29,7 @@ def candidates(engine: Engine, min_age_days: float, limit: int = 10_000) -> list
         rows = c.execute(
             text(
                 "SELECT id, name, model_family, extract(epoch FROM now() - coalesce(finished_at, last_seen_at, "
-                "started_at)) / 86400.0 AS age, thinned FROM runs WHERE status <> 'running' "
+                "started_at)) / 86400.0 AS age, thinned FROM runs WHERE status NOT IN ('running', 'stalled', 'hung') "
                 "AND coalesce(finished_at, last_seen_at, started_at) < now() - make_interval(secs => :s) "
                 "ORDER BY age DESC LIMIT :n"
             ),

@@ -40,6 +40,8 @@ class RunRow:
     pending_rank_steps: int = 0
     pending_collectives: int = 0
     thinned: dict[str, Any] | None = None  # what retention removed ({"blocks": iso, "rollups": iso})
+    job_id: str | None = None  # the job this run is an attempt of (migration 0016)
+    attempt: int = 0  # 0 = the job's first attempt, k = its k-th restart
 
     @property
     def version(self) -> tuple[int, int, int, int | None, str, int]:
@@ -59,6 +61,7 @@ class RunRow:
             "rank_steps": self.rank_steps + self.pending_rank_steps,
             "collective_records": self.collective_records + self.pending_collectives,
             "steps": self.steps, "last_step": self.last_step, "thinned": self.thinned,
+            "job_id": self.job_id, "attempt": self.attempt,
         }  # fmt: skip
 
 

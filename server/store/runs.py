@@ -22,6 +22,7 @@ from .rows import RunRow
 
 __all__ = [
     "compaction_progress",
+    "live_runs_and_firing",
     "RunRow",
     "get_run",
     "list_runs",
@@ -47,7 +48,7 @@ __all__ = [
 _COLS = (
     "id, name, model_family, config, config_signature, world_size, mp_size, device_type, device_count, peak_flops, "
     "git_commit, status, meta, started_at, finished_at, last_seen_at, rank_steps, collective_records, steps, last_step, "
-    "thinned"
+    "thinned, job_id, attempt"
 )
 
 
@@ -65,6 +66,7 @@ def _row(r: Any) -> RunRow:
         finished_at=_iso(m["finished_at"]), last_seen_at=_iso(m["last_seen_at"]), rank_steps=int(m["rank_steps"]),
         collective_records=int(m["collective_records"]), steps=int(m["steps"]), last_step=m["last_step"],
         thinned=m["thinned"] if isinstance(m.get("thinned"), dict) else None,
+        job_id=m.get("job_id"), attempt=int(m.get("attempt") or 0),
     )  # fmt: skip
 
 
@@ -142,7 +144,7 @@ def _absent(steps: np.ndarray, ranks: np.ndarray, present: dict[int, tuple[str, 
 
 
 def _with_pending(c: Connection, runs: list[RunRow], only_running: bool) -> list[RunRow]:
-    ids = [r.id for r in runs if r.status == "running" or not only_running]
+    ids = [r.id for r in runs if r.status in ("running", "stalled", "hung") or not only_running]
     pending = _pending_counts(c, ids)
     return [replace(r, pending_rank_steps=pending[r.id][0], pending_collectives=pending[r.id][1])
             if r.id in pending else r for r in runs]
@@ -173,7 +175,8 @@ def list_runs(engine: Engine, *, name: str | None = None, family: str | None = N
 
 def fleet_runs(engine: Engine, *, family: str | None = None, status: str | None = None, q: str | None = None,
                limit: int = 2000) -> list[RunRow]:
-    """Runs for the fleet table: running ones first, then the newest; ``q`` matches the name (ILIKE)."""
+    """Runs for the fleet table: hung and stalled ones first, then running ones, then the newest; ``q``
+    matches the name (ILIKE)."""
     where, params = [], {}
     if family:
         where.append("model_family = :family")
@@ -186,7 +189,7 @@ def fleet_runs(engine: Engine, *, family: str | None = None, status: str | None 
         params["q"] = f"%{q}%"
     with engine.connect() as c:
         return _select(c, ("WHERE " + " AND ".join(where)) if where else "", params,
-                       "(status = 'running') DESC, started_at DESC, id DESC", limit)
+                       "(status IN ('hung', 'stalled')) DESC, (status = 'running') DESC, started_at DESC, id DESC", limit)
 
 
 def runs_by_ids(engine: Engine, run_ids: Sequence[int]) -> dict[int, RunRow]:
@@ -295,12 +298,15 @@ def ping(engine: Engine) -> None:
 _INSERT = """
 INSERT INTO runs (name, model_family, config, config_signature, world_size, mp_size, device_type,
                   device_count, peak_flops, git_commit, meta, started_at, status, last_seen_at, owner_token_id,
-                  owner_key)
+                  owner_key, job_id, attempt)
 VALUES (:name, :family, CAST(:config AS jsonb), :sig, :ws, :mp, :dt, :dc, :peak, :git,
-        CAST(:meta AS jsonb), coalesce(to_timestamp(:started), now()), 'running', now(), :owner, :owner_key)
-ON CONFLICT (owner_key, name) DO NOTHING
+        CAST(:meta AS jsonb), to_timestamp(:started), 'running', now(), :owner, :owner_key,
+        :job_id, :attempt)
+ON CONFLICT (owner_key, name, attempt) DO NOTHING
 RETURNING id, name, world_size
 """
+#: started now (no start time given); Citus refuses now() inside COALESCE / CASE of a write
+_INSERT_NOW = _INSERT.replace("to_timestamp(:started)", "now()")
 
 #: another rank of the same job (the same owner: the same token, a token of the same team, or — in
 #: the ownerless namespace '' — a server without auth) joins the run: missing fields are filled in,
@@ -316,10 +322,11 @@ UPDATE runs SET
     peak_flops = coalesce(runs.peak_flops, :peak),
     git_commit = coalesce(runs.git_commit, :git),
     meta = CAST(:meta AS jsonb) || runs.meta,
+    job_id = coalesce(runs.job_id, :job_id),
     status = 'running',
     finished_at = NULL,
     last_seen_at = now()
-WHERE owner_key = :owner_key AND name = :name
+WHERE owner_key = :owner_key AND name = :name AND attempt = :attempt
 RETURNING id, name, world_size
 """
 
@@ -327,21 +334,24 @@ RETURNING id, name, world_size
 def upsert_run(engine: Engine, *, name: str, family: str | None, config_json: str, signature: str, world_size: int,
                mp_size: int, device_type: str | None, device_count: int | None, peak_flops: float | None,
                git_commit: str | None, meta_json: str, started_at: float | None, owner_token_id: int | None = None,
-               owner_key: str = "") -> dict[str, Any]:
-    """Create the run, or join the one of that name in the namespace ``owner_key`` (``runs.owner_key``:
+               owner_key: str = "", job_id: str | None = None, attempt: int = 0) -> dict[str, Any]:
+    """Create the run, or join the one of that name and ``attempt`` in the namespace ``owner_key`` (``runs.owner_key``:
     'team:<team>', 'token:<id>', or '' for no owner). A name is unique per namespace only: an owner
     registering a name that another owner holds gets a run of its own and never touches the other's."""
     params = {"name": name, "family": family, "config": config_json, "sig": signature, "ws": world_size,
               "mp": mp_size, "dt": device_type, "dc": device_count, "peak": peak_flops, "git": git_commit,
-              "meta": meta_json, "started": started_at, "owner": owner_token_id, "owner_key": owner_key}
+              "meta": meta_json, "started": started_at, "owner": owner_token_id, "owner_key": owner_key,
+              "job_id": job_id, "attempt": attempt}
     with engine.begin() as c:
         for _ in range(3):  # the run may be deleted between the two statements: then create it again
-            row = c.execute(text(_INSERT), params).one_or_none()
+            row = c.execute(text(_INSERT if started_at is not None else _INSERT_NOW), params).one_or_none()
             if row is not None:
-                return {"id": row.id, "name": row.name, "world_size": row.world_size, "created": True}
+                return {"id": row.id, "name": row.name, "world_size": row.world_size, "created": True,
+                        "attempt": attempt, "job_id": job_id}
             row = c.execute(text(_JOIN), params).one_or_none()
             if row is not None:
-                return {"id": row.id, "name": row.name, "world_size": row.world_size, "created": False}
+                return {"id": row.id, "name": row.name, "world_size": row.world_size, "created": False,
+                        "attempt": attempt, "job_id": job_id}
     raise RuntimeError(f"run {name!r} was deleted while it was being registered; register it again")
 
 
@@ -354,7 +364,7 @@ def owner_key_of(engine: Engine, run_id: int) -> tuple[bool, str]:
 
 #: every table that holds rows of a run, children first (runs last)
 _RUN_TABLES = ("ingest_fragments", "modality_raw", "steps", "run_collectives", "run_modalities", "run_events",
-               "run_groups", "run_event_counts", "run_dims", "step_comm", "phase_raw", "run_phases",
+               "run_groups", "run_event_counts", "run_scalars", "run_scalar_names", "run_positions", "run_failures", "run_pauses", "run_health", "run_dims", "step_comm", "phase_raw", "run_phases",
                "trace_summaries", "rank_rollups", "rank_windows", "run_stats", "alerts", "ranks")
 
 
@@ -375,8 +385,9 @@ def finish_run(engine: Engine, run_id: int, status: str, finished_at: float | No
     """Set the run's final status and end time (``finished_at`` unix time, else now); False if no such run."""
     with engine.begin() as c:
         r = c.execute(
-            text("UPDATE runs SET status = :s, finished_at = coalesce(to_timestamp(CAST(:at AS float8)), now()) "
-                 "WHERE id = :id"),
+            # no COALESCE(…, now()): Citus refuses non-IMMUTABLE functions in COALESCE / CASE of a write
+            text("UPDATE runs SET status = :s, finished_at = "
+                 + ("to_timestamp(CAST(:at AS float8))" if finished_at is not None else "now()") + " WHERE id = :id"),
             {"s": status, "id": run_id, "at": finished_at},
         )
     return r.rowcount > 0
@@ -392,3 +403,21 @@ def compaction_progress(engine: Engine, since: Any) -> tuple[int, list[int], Any
             # 60 s of overlap: a compaction transaction stamps its start time and may commit later
             text("SELECT id FROM runs WHERE last_seen_at > :t - interval '60 seconds'"), {"t": since}).fetchall()]
     return backlog, runs, now
+
+
+_LIVE_RUNS = """
+SELECT id FROM runs WHERE status = ANY(:states)
+ORDER BY last_seen_at DESC NULLS LAST, id DESC LIMIT :n
+"""
+_FIRING = """
+SELECT run_id, kind, count(*) FROM alerts WHERE state = 'firing' AND run_id = ANY(:ids) GROUP BY run_id, kind
+"""
+
+
+def live_runs_and_firing(engine: Engine, states: Sequence[str], cap: int) -> tuple[list[int], list[tuple[int, str, int]]]:
+    """The ids of at most ``cap`` runs in ``states``, most recently active first, and their firing
+    alerts as (run id, kind, count) — the per-run Prometheus gauges (server/prom.py)."""
+    with engine.connect() as c:
+        ids = [int(r[0]) for r in c.execute(text(_LIVE_RUNS), {"states": list(states), "n": int(cap)})]
+        firing = c.execute(text(_FIRING), {"ids": ids}).fetchall() if ids else []
+    return ids, [(int(r[0]), str(r[1]), int(r[2])) for r in firing]

@@ -42,9 +42,10 @@ def save_traces(engine: Engine, *, run_id: int, rows: list[tuple[int, str, dict[
         bounds.add_folded_in(c, [(run_id, "kernels", n_folded)])
         c.execute(
             text(
-                "INSERT INTO trace_summaries (run_id, rank, source, summary) "
-                "VALUES (:run, :rank, :source, CAST(:summary AS JSONB)) "
-                "ON CONFLICT (run_id, rank, source) DO UPDATE SET summary = EXCLUDED.summary, created_at = now()"
+                "INSERT INTO trace_summaries (run_id, rank, source, summary, created_at) "
+                "VALUES (:run, :rank, :source, CAST(:summary AS JSONB), now()) "
+                "ON CONFLICT (run_id, rank, source) DO UPDATE SET summary = EXCLUDED.summary, "
+                "created_at = EXCLUDED.created_at"
             ),
             params,
         )

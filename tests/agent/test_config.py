@@ -35,6 +35,9 @@ BAD_VALUES: list[tuple[str, str]] = [
     ("FLEETSCOPE_SERVER", "localhost:8000"),
     ("FLEETSCOPE_SERVER", "http://fleetscope.example:99999"),
     ("FLEETSCOPE_TOKEN", "s3cret\nInjected: header"),
+    ("FLEETSCOPE_HEARTBEAT_S", "often"),
+    ("FLEETSCOPE_HEARTBEAT_S", "-1"),
+    ("FLEETSCOPE_STACK_AFTER_S", "nan"),
 ]
 
 

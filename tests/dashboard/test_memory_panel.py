@@ -44,7 +44,7 @@ def test_a_cpu_runs_memory_panel_says_rss(live_server: Any, tmp_path: Path, monk
     run.finish(timeout=20)
     live_server.compact()
     with live_server.client() as c:
-        (r,) = c.runs(name="mem-cpu-page")
+        (r,) = c.run_list(name="mem-cpu-page")
         assert c.summary(r["id"])["memory"]["source"] == "rss"
     out = _callback(live_server, OUTPUTS, r["id"])
     fig = out["run-memory"]["figure"]

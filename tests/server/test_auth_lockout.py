@@ -1,5 +1,6 @@
-"""The failed-auth limit locks out failing requests, never a valid token; it keys on the TCP peer unless
-the peer is a configured proxy (X-Forwarded-For); every 429 and 503 says when to come back.
+"""The failed-auth limit locks out failing requests, never a valid token: it counts per credential (each
+presented token; requests without a token per client address — the TCP peer unless the peer is a
+configured proxy, X-Forwarded-For); every 429 and 503 says when to come back.
 
 The servers here are started with the uvicorn configuration ``fleetscope serve`` uses
 (``server.serve.uvicorn_config``: uvicorn's own proxy-header handling off), over loopback HTTP."""
@@ -50,10 +51,11 @@ def test_a_valid_token_passes_from_an_address_locked_out_by_bad_tokens(server_fa
         for _ in range(3):
             r = _post(c, srv.token)
             assert r.status_code == 200, r.text
-        # failing requests (bad token, or none) still get 429 with a Retry-After within the window
-        for token in ("fs_bad", None):
-            r = _post(c, token)
-            assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 61, (token, r.headers)
+        # the failing credential still gets 429 with a Retry-After within the window
+        r = _post(c, "fs_bad")
+        assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 61, r.headers
+        # the limit is per credential: no token, or another token, from the same address has its own count
+        assert _post(c, None).status_code == 401 and _post(c, "fs_other").status_code == 401
 
 
 def test_valid_requests_are_never_counted_as_failures(server_factory: Any) -> None:
@@ -66,22 +68,78 @@ def test_valid_requests_are_never_counted_as_failures(server_factory: Any) -> No
 
 
 def test_x_forwarded_for_is_ignored_unless_the_peer_is_a_configured_proxy(server_factory: Any) -> None:
+    # requests without a token are counted per client address
     plain = server_factory(auth_fail_limit=3, auth_fail_window_s=30)
     with httpx.Client(base_url=plain.url, timeout=30) as c:
         # a client cannot escape the limit (or pin it on others) by inventing X-Forwarded-For
-        codes = [_post(c, "fs_bad", xff=f"10.0.0.{i}").status_code for i in range(4)]
+        codes = [_post(c, None, xff=f"10.0.0.{i}").status_code for i in range(4)]
         assert codes == [401, 401, 401, 429]
 
     proxied = server_factory(auth_fail_limit=3, auth_fail_window_s=30, forwarded_allow_ips="127.0.0.0/8, 10.9.9.9")
     with httpx.Client(base_url=proxied.url, timeout=30) as c:
-        assert [_post(c, "fs_bad", xff="10.0.0.1").status_code for _ in range(4)] == [401, 401, 401, 429]
+        assert [_post(c, None, xff="10.0.0.1").status_code for _ in range(4)] == [401, 401, 401, 429]
         # another client behind the same proxy is not locked out
-        assert _post(c, "fs_bad", xff="10.0.0.2").status_code == 401
+        assert _post(c, None, xff="10.0.0.2").status_code == 401
         # the nearest hop that is not a trusted proxy is the client: a spoofed leftmost entry does not count
-        assert _post(c, "fs_bad", xff="10.0.0.2, 10.0.0.1").status_code == 429
-        assert _post(c, "fs_bad", xff="10.0.0.1, 10.0.0.3, 10.9.9.9").status_code == 401  # client 10.0.0.3
+        assert _post(c, None, xff="10.0.0.2, 10.0.0.1").status_code == 429
+        assert _post(c, None, xff="10.0.0.1, 10.0.0.3, 10.9.9.9").status_code == 401  # client 10.0.0.3
         # and a valid token from the locked-out client passes
         assert _post(c, proxied.token, xff="10.0.0.1").status_code == 200
+
+
+def test_a_flood_of_failed_auth_from_the_agents_address_never_refuses_their_batches(server_factory: Any) -> None:
+    """Behind a proxy every agent shares one address: an unauthenticated (and bad-token) flood from it
+    is limited, while agents with valid tokens keep writing — every batch accepted — and the flood's
+    429s count as ``auth_limited``, not as overload."""
+    import threading
+
+    from fleetscope.server.auth import create_token
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fleetscope.client import columnar
+    from fleetscope.synthetic import RunSpec, rank_step_rows
+    from fleetscope.wire import RANK_STEP_FIELDS
+
+    srv = server_factory(auth_fail_limit=5, auth_fail_window_s=60)
+    tokens = [srv.token, create_token(srv.state.engine, "agent-b", scope="ingest")]
+    stop = threading.Event()
+    flood_codes: list[int] = []
+
+    def flood() -> None:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            i = 0
+            while not stop.is_set():
+                token = None if i % 2 == 0 else f"fs_guess{i % 7}"
+                r = c.post("/api/v1/ingest", json={"v": 1, "run_id": 1}, headers=(
+                    {"Authorization": f"Bearer {token}"} if token else {}))
+                flood_codes.append(r.status_code)
+                i += 1
+
+    t = threading.Thread(target=flood)
+    t.start()
+    accepted: dict[str, int] = {}
+    try:
+        while len(flood_codes) < 30:  # the flood is over its limit before the agents start
+            stop.wait(0.05)
+        for k, token in enumerate(tokens):
+            with srv.client(token) as c:
+                spec = RunSpec(name=f"agent-{k}", family="f", world_size=2, steps=6, seed=k)
+                rid = c.register_run(spec.run_info())
+                for _, rows in rank_step_rows(spec):
+                    # no retries: a single refused batch fails the test
+                    res = c.ingest({"v": 1, "run_id": rid, "rank_steps": columnar(rows, RANK_STEP_FIELDS, binary=True)},
+                                   retries=0)
+                    accepted[spec.name] = accepted.get(spec.name, 0) + res["accepted"]["rank_steps"]
+    finally:
+        stop.set()
+        t.join(30)
+    assert accepted == {"agent-0": 12, "agent-1": 12}
+    assert 429 in flood_codes and set(flood_codes) <= {401, 429}, set(flood_codes)
+    text = httpx.get(f"{srv.url}/metrics").text
+    reasons = {s.labels["reason"]: s.value for f in text_string_to_metric_families(text)
+               if f.name == "fleetscope_ingest_rejections" for s in f.samples if s.name.endswith("_total")}
+    assert reasons["auth_limited"] == flood_codes.count(429) and reasons["auth"] == flood_codes.count(401)
+    assert "overloaded" not in reasons
 
 
 def test_forwarded_allow_ips_comes_from_the_environment_and_refuses_garbage(monkeypatch: Any) -> None:

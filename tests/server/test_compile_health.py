@@ -136,7 +136,7 @@ def test_a_compiled_job_through_the_agent_lands_in_the_summary(live_server: Any,
     assert p.returncode == 0 and p.stdout == "" and p.stderr == "", p.stderr[-2000:]
     live_server.compact()
     with live_server.client() as c:
-        rid = next(r["id"] for r in c.runs(name="compiled-e2e"))
+        rid = next(r["id"] for r in c.run_list(name="compiled-e2e"))
         comp = c.summary(rid)["compile"]
     assert comp["compiles"] == 4 and comp["recompiles"] == 2 and comp["recompile_steps"] == [2]
     assert comp["graph_breaks"] == 1 and comp["ranks"] == 1 and comp["compile_s"] > 0
@@ -170,7 +170,7 @@ def test_zero_code_launcher_reports_compile_health(live_server: Any, tmp_path: P
     assert p.returncode == 0 and p.stdout == "done\n" and p.stderr == "", p.stderr[-2000:]
     live_server.compact()
     with live_server.client() as c:
-        rid = next(r["id"] for r in c.runs(name="zero-code-compiled"))
+        rid = next(r["id"] for r in c.run_list(name="zero-code-compiled"))
         summary = c.summary(rid)
         comp = summary["compile"]
     assert comp is not None and comp["compiles"] == 2 and comp["recompiles"] == 1 and comp["recompile_steps"] == [3]

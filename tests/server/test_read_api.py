@@ -81,7 +81,7 @@ def test_openapi_healthz_and_metrics(live_server: Any) -> None:
     assert "fleetscope_ingest_batch_seconds_bucket" in m
     assert 'fleetscope_ingest_rejections_total{reason="auth"} 1.0' in m
     assert "fleetscope_db_pool_checked_out" in m and "fleetscope_ingest_queue_depth" in m
-    assert 'fleetscope_runs{status="running"} 1.0' in m
+    assert 'fleetscope_cluster_runs{status="running"} 1.0' in m
 
 
 def test_values_the_database_cannot_store_get_422_not_500(live_server: Any) -> None:

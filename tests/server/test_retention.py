@@ -59,7 +59,7 @@ def test_policy_preview_apply_and_thinned_runs_still_summarise(live_server: Any,
     assert retention.plan(engine, settings) == []  # nothing left to do: a second pass is a no-op
 
     with live_server.client() as c:
-        names = {r["name"] for r in c.runs(limit=100)}
+        names = {r["name"] for r in c.run_list(limit=100)}
         assert "ancient" not in names and {"young", "mid", "old", "kept-family"} <= names
         for rid in (mid, old):
             s = c.summary(rid)

@@ -5,18 +5,16 @@ reference table). Citus refuses a distributed table whose PRIMARY KEY / UNIQUE /
 not contain the distribution column, and a foreign key between two distributed tables that does not
 pair their distribution columns; a reference table may not reference a distributed one. We also
 require a primary key on every per-run table, with run_id first (shard moves replicate by logical
-replication, which needs one). docs/architecture.md's Citus recipe must name exactly these tables.
+replication, which needs one). ``fleetscope db distribute``'s plan (server/store/citus.py) must name exactly these tables;
+tests/citus runs it on a real cluster.
 """
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import text
 
-ARCHITECTURE_MD = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 LOCAL_ONLY = {"alembic_version"}  # stays a plain table on the coordinator
 
 _TABLES = """
@@ -89,20 +87,6 @@ def citus_violations(conn: Any) -> list[str]:
     return out
 
 
-def doc_recipe() -> list[tuple[str, str, str | None, str | None]]:
-    """The ``create_*_table`` calls of docs/architecture.md's "### Citus" section, in order:
-    (kind, table, distribution column, colocate_with)."""
-    doc = ARCHITECTURE_MD.read_text()
-    m = re.search(r"^### Citus\n(.*?)(?=^#{1,3} |\Z)", doc, re.S | re.M)
-    assert m, "docs/architecture.md has no '### Citus' section"
-    calls = re.findall(
-        r"create_(distributed|reference)_table\(\s*'(\w+)'(?:\s*,\s*'(\w+)')?(?:\s*,\s*colocate_with\s*=>\s*'(\w+)')?\s*\)",
-        m.group(1),
-    )
-    assert calls, "the Citus section holds no create_distributed_table / create_reference_table call"
-    return [(kind, table, col or None, colo or None) for kind, table, col, colo in calls]
-
-
 def test_every_per_run_table_has_run_id_in_its_primary_key_unique_indexes_and_foreign_keys(
     engine: Any,
 ) -> None:
@@ -152,35 +136,34 @@ def test_the_catalog_check_catches_each_kind_of_violation(engine: Any) -> None:
     assert len(v.splitlines()) == 7, v
 
 
-def test_citus_recipe_in_architecture_doc_names_exactly_the_catalogs_per_run_and_reference_tables(
+def test_citus_layout_of_db_distribute_names_exactly_the_catalogs_per_run_and_reference_tables(
     engine: Any,
 ) -> None:
+    """``fleetscope db distribute`` (server/store/citus.py) reads its plan from the catalog: every per-run
+    table distributed by run_id, every other table but alembic_version a reference table, a table
+    referenced by a foreign key created before the tables that reference it."""
+    from fleetscope.server.store.citus import layout
+
     with engine.connect() as c:
         per_run, other = tables(c)
         fks = [(src, dst) for _n, src, dst, *_ in c.execute(text(_FOREIGN_KEYS))]
-    recipe = doc_recipe()
-    names = [t for _, t, _, _ in recipe]
+        plan = layout(c)
+    names = plan.reference + plan.distributed
     assert len(names) == len(set(names)), f"a table is named twice: {names}"
-    distributed = {t for kind, t, _, _ in recipe if kind == "distributed"}
-    reference = {t for kind, t, _, _ in recipe if kind == "reference"}
-    assert distributed == per_run, (
-        f"doc distributes {sorted(distributed - per_run)} that are not per-run tables, "
-        f"misses per-run tables {sorted(per_run - distributed)}"
-    )
-    assert reference == other - LOCAL_ONLY
-    # every distributed table by run_id, all in the co-location group of the first one
-    first = next(t for kind, t, _, _ in recipe if kind == "distributed")
-    for kind, t, col, colo in recipe:
-        if kind == "distributed":
-            assert col == "run_id", f"{t} distributed by {col}"
-            assert colo == (None if t == first else first), f"{t}: colocate_with {colo!r}, expected {first!r}"
-        else:
-            assert col is None and colo is None, t
+    assert set(plan.distributed) == per_run
+    assert set(plan.reference) == other - LOCAL_ONLY
+    first = plan.distributed[0]
+    assert plan.colocate_with is None  # set by plan() on a Citus coordinator; layout() is the catalog's part
+    plan.colocate_with = first
+    statements = plan.statements()
+    assert statements[: len(plan.reference)] == [f"SELECT create_reference_table('{t}')" for t in plan.reference]
+    assert statements[len(plan.reference)] == f"SELECT create_distributed_table('{first}', 'run_id')"
+    assert all(f"'run_id', colocate_with => '{first}')" in st for st in statements[len(plan.reference) + 1:])
     # Citus accepts a foreign key only to a table that is already distributed / a reference table
     pos = {t: i for i, t in enumerate(names)}
     for src, dst in fks:
         if src in pos and src != dst:
-            assert pos[dst] < pos[src], f"{src} references {dst}, which the recipe creates later"
+            assert pos[dst] < pos[src], f"{src} references {dst}, which the plan creates later"
 
 
 def test_models_mirror_the_migrated_schema_including_primary_key_column_order(engine: Any) -> None:

@@ -40,7 +40,7 @@ def test_simulated_token_skew_is_found_and_named(live_server: Any) -> None:
     assert out.exit_code == 0, out.output
     live_server.compact()
     with live_server.client() as c:
-        (run,) = c.runs(name="skew")
+        (run,) = c.run_list(name="skew")
         tb = c.summary(run["id"])["token_balance"]
 
     # what was sent, from the generator

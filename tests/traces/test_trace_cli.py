@@ -69,7 +69,7 @@ def test_server_attaches_traces_to_a_run_idempotently(live_server: Any) -> None:
         import_trace(src, include_last_step=False, as_json=False, server=live_server.url, token=live_server.token,
                      run="trace-import-1", num_kernels=10)  # fmt: skip
     with live_server.client() as c:
-        (run,) = c.runs(name="trace-import-1")
+        (run,) = c.run_list(name="trace-import-1")
         got = c.get(f"/api/v1/runs/{run['id']}/traces")
     traces = got["traces"]
     assert [t["rank"] for t in traces] == [-1, 0, 1]

@@ -1,0 +1,241 @@
+"""Response models of the read and write API routes that had none (docs/api.md): every key a route
+returns is declared (more may be added later: ``extra="allow"``); nested analyses whose fields are
+documented in docs/metrics.md and docs/api.md are objects. Fields are optional where a route leaves
+them null for a run without that data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["Health", "RunRegistered", "RunFinished", "RunDeleted", "RunDetail", "Collectives", "Scalars", "Steps",
+           "BenchmarksRecorded", "BenchmarkSeries", "BenchmarkList", "TraceList", "RunCheck", "NodeRow", "NodeList",
+           "NodeDetail", "Kernels", "Overlap", "RunHealthOut"]
+
+_OPEN = ConfigDict(extra="allow")
+
+
+class Health(BaseModel):
+    model_config = _OPEN
+    status: str = Field(description='"ok"')
+
+
+class RunRegistered(BaseModel):
+    model_config = _OPEN
+    id: int
+    name: str
+    world_size: int | None = None
+    created: bool | None = Field(None, description="false when the run existed (another rank registered it)")
+    attempt: int | None = None
+    job_id: str | None = None
+
+
+class RunFinished(BaseModel):
+    model_config = _OPEN
+    id: int
+    status: str
+
+
+class RunDeleted(BaseModel):
+    model_config = _OPEN
+    id: int
+    deleted: Any = Field(None, description="what was deleted (rows by table)")
+
+
+class RunDetail(BaseModel):
+    """One run as stored (counters include what landed but is not compacted yet)."""
+
+    model_config = _OPEN
+    id: int
+    name: str
+    model_family: str | None = None
+    config: dict[str, Any] | None = None
+    config_signature: str | None = None
+    world_size: int
+    mp_size: int | None = None
+    device_type: str | None = None
+    device_count: int | None = None
+    peak_flops: float | None = None
+    git_commit: str | None = None
+    status: str
+    meta: dict[str, Any] | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+    last_seen_at: str | None = None
+    rank_steps: int
+    collective_records: int
+    steps: int
+    last_step: int | None = None
+    thinned: dict[str, Any] | None = None
+    job_id: str | None = None
+    attempt: int | None = None
+
+
+class CollectiveRow(BaseModel):
+    model_config = _OPEN
+    op: str
+    group_size: int | None = None
+    size_bucket_bytes: int | float | None = None
+    records: int | None = None
+    calls: int | float | None = None
+    bytes: int | float | None = None
+    total_s: float | None = None
+    exposed_s: float | None = None
+
+
+class Collectives(BaseModel):
+    collectives: list[CollectiveRow]
+
+
+class ScalarSeries(BaseModel):
+    model_config = _OPEN
+    step: list[int | float | None]
+    value: list[float | int | None]
+
+
+class Scalars(BaseModel):
+    model_config = _OPEN
+    scalars: dict[str, ScalarSeries]
+    names: list[Any] | None = None
+
+
+class Steps(BaseModel):
+    model_config = _OPEN
+    steps: list[Any] = Field(description="one object per step; its keys are `fields`")
+    total: int | None = None
+    offset: int | None = None
+    limit: int | None = None
+    fields: list[str] | None = None
+
+
+class BenchmarksRecorded(BaseModel):
+    model_config = _OPEN
+    series: list[int]
+    points: int
+
+
+class BenchmarkPoint(BaseModel):
+    model_config = _OPEN
+    ts: str
+    value: float | None
+    git_commit: str | None = None
+
+
+class BenchmarkSeries(BaseModel):
+    model_config = _OPEN
+    id: int
+    name: str
+    cluster: str | None = None
+    params: dict[str, Any] | None = None
+    unit: str | None = None
+    points: list[BenchmarkPoint]
+
+
+class BenchmarkList(BaseModel):
+    series: list[BenchmarkSeries]
+
+
+class TraceList(BaseModel):
+    model_config = _OPEN
+    run_id: int
+    traces: list[Any] = Field(description="per rank (rank -1: cross-rank figures): the trace summaries")
+
+
+class RunCheck(BaseModel):
+    model_config = _OPEN
+    run: dict[str, Any]
+    baseline: Any = None
+    regressions: list[Any]
+    regressed: bool
+    min_change: float | None = None
+
+
+class NodeRow(BaseModel):
+    model_config = _OPEN
+    node: str
+    runs: int
+    straggler_runs: int | None = None
+    slow_network_runs: int | None = None
+    slowed_runs: int | None = None
+    slowed_share: float | None = None
+    busbw_ratio_median: float | None = None
+    latency_ratio_median: float | None = None
+    last_seen: str | None = None
+    microbench: Any = None
+
+
+class NodeList(BaseModel):
+    model_config = _OPEN
+    nodes: list[NodeRow]
+    total: int
+    slowed_total: int | None = None
+    slow_network_total: int | None = None
+    limit: int | None = None
+    offset: int | None = None
+    refreshed_runs: int | None = None
+    pending_runs: int | None = None
+
+
+class NodeDetail(NodeRow):
+    run_history: list[Any] = Field(default_factory=list)
+
+
+class Kernels(BaseModel):
+    model_config = _OPEN
+    run_id: int
+    ranks: int | None = None
+    windows: int | None = None
+    profiled_rank_steps: int | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+    kernel_us: float | None = None
+    names: int | None = None
+    max_names: int | None = None
+    categories: list[Any] = Field(default_factory=list)
+    kernels: list[Any] = Field(default_factory=list)
+    findings: list[Any] = Field(default_factory=list)
+    folded_now: int | None = None
+
+
+class Overlap(BaseModel):
+    model_config = _OPEN
+    run_id: int
+    step: int | None = None
+    rank: int | None = None
+    step_s: float | None = None
+    comm_exposed_s: float | None = None
+    backward: Any = None
+    collectives: list[Any] = Field(default_factory=list)
+    collectives_total: int | None = None
+    collectives_folded: Any = None
+    tail_s: float | None = None
+    overlap_ratio: float | None = None
+    backward_overlap_ratio: float | None = None
+    note: str | None = None
+
+
+class RunHealthOut(BaseModel):
+    """``GET /runs/{id}/health`` (docs/api.md, "Run health"): the run's state and, for a hang or a
+    failure, who and where (nested objects as docs/api.md describes them)."""
+
+    model_config = _OPEN
+    run_id: int | None = None
+    state: str = Field(description="running, stalled, hung, failed or finished")
+    since: Any = None
+    finding: str | None = None
+    waiting: Any = None
+    missing_ranks: list[Any] = Field(default_factory=list)
+    missing_count: int | None = None
+    missing_nodes: list[Any] = Field(default_factory=list)
+    collective: Any = None
+    stacks: dict[str, Any] = Field(default_factory=dict)
+    stuck: Any = None
+    failures: list[Any] = Field(default_factory=list)
+    failures_count: int | None = None
+    failed_ranks: Any = None
+    attempts: list[Any] = Field(default_factory=list)
+    pause: Any = None
+    threshold_s: float | None = None
+    hang_s: float | None = None
+    limits: Any = None

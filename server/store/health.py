@@ -1,0 +1,481 @@
+"""Run health tables (migration 0016): ``run_positions``, ``run_failures``, ``run_pauses``, ``run_health``.
+
+Write side at ingest (:func:`land`, called by ``events.land_events`` under the run's event lock):
+
+- ``position`` events: the latest per (run, rank) is kept (upsert by the rank's event sequence), so the
+  table is bounded by the world size; they never go to ``run_events``.
+- ``failure`` events: one per (run, rank, source), the first; at most MAX_FAILURES_PER_RUN per run,
+  the rest dropped and counted (``run_event_counts`` kind ``failure``); never in ``run_events``.
+- ``pause`` events: applied to ``run_pauses`` (the open pause per rank and reason, seconds of ended
+  ones; at most MAX_PAUSE_REASONS_PER_RUN reasons per run) and passed on to ``run_events`` as before.
+
+Reads for the health pass and ``/health`` are bounded: positions by the world size, failures by the cap
+and a LIMIT, pauses by reasons × ranks.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine, text
+
+from ..limits import MAX_FAILURES_PER_RUN, MAX_PAUSE_REASONS_PER_RUN
+
+__all__ = ["land", "Position", "Failure", "Pause", "RunProgress", "positions", "failures", "failure_count",
+           "pauses", "pause_totals", "last_pause_end", "progress", "save_health", "load_health", "set_status", "attempts", "health_rows",
+           "step_p99", "steps_at_or_below",
+           "node_map", "HEALTH_KINDS", "fleet_goodput_rows"]
+
+HEALTH_KINDS = ("position", "failure", "pause")
+
+
+# --------------------------------------------------------------------------------------------- write
+
+
+def land(cur: Any, run_id: int, events: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """Store the batch's health events (psycopg cursor, inside the batch's transaction, under the run's
+    event lock). Returns (the events for ``run_events``: everything but positions and failures, how many
+    positions and failures were kept or already stored)."""
+    pos = [e for e in events if e["kind"] == "position"]
+    fail = [e for e in events if e["kind"] == "failure"]
+    pause = [e for e in events if e["kind"] == "pause"]
+    rest = [e for e in events if e["kind"] not in ("position", "failure")]
+    if not (pos or fail or pause):
+        return rest, 0
+    kept = 0
+    dropped: dict[str, int] = {}
+    if pos:
+        kept += _land_positions(cur, run_id, pos)
+    if fail:
+        k, d = _land_failures(cur, run_id, fail)
+        kept += k
+        if d:
+            dropped["failure"] = d
+    if pause:
+        d = _land_pauses(cur, run_id, pause)
+        if d:
+            dropped["pause_reasons"] = d
+    folded: dict[str, int] = {}
+    for e in pos + fail:
+        if e.get("folded"):
+            folded[e["kind"]] = folded.get(e["kind"], 0) + 1
+    kinds = sorted({*dropped, *folded})
+    if kinds:
+        cur.execute(
+            "INSERT INTO run_event_counts (run_id, kind, dropped, folded) "
+            "SELECT %s, * FROM unnest(%s::text[], %s::bigint[], %s::bigint[]) "
+            "ON CONFLICT (run_id, kind) DO UPDATE SET dropped = run_event_counts.dropped + excluded.dropped, "
+            "folded = run_event_counts.folded + excluded.folded",
+            (run_id, kinds, [dropped.get(k, 0) for k in kinds], [folded.get(k, 0) for k in kinds]),
+        )
+    return rest, kept
+
+
+def _land_positions(cur: Any, run_id: int, pos: Sequence[dict[str, Any]]) -> int:
+    latest: dict[int, dict[str, Any]] = {}
+    for e in pos:
+        cur_e = latest.get(e["rank"])
+        if cur_e is None or e["seq"] > cur_e["seq"]:
+            latest[e["rank"]] = e
+    rows = []
+    for r, e in sorted(latest.items()):
+        d = e["data"]
+        c = d.get("collective") if isinstance(d.get("collective"), dict) else {}
+        rows.append((r, e["seq"], e["ts"], e["step"], d.get("state"), d.get("phase"), d.get("open_s"),
+                     c.get("op"), c.get("dim"), c.get("group"), c.get("seq"), c.get("bytes"), c.get("since_s"),
+                     c.get("done"), json.dumps(d["stack"]) if d.get("stack") is not None else None, d.get("source")))
+    cols = list(zip(*rows, strict=True))
+    cur.execute(
+        "INSERT INTO run_positions (run_id, rank, seq, ts, step, state, phase, open_s, coll_op, coll_dim, coll_group, "
+        "coll_seq, coll_bytes, coll_since_s, coll_done, stack, source, received_at) "
+        "SELECT %s, r, s, t, st, sta, ph, o, cop, cdim, cgr, cseq, cb, csince, cdone, stk::jsonb, src, now() FROM "
+        "unnest(%s::int[], %s::bigint[], %s::float8[], %s::bigint[], %s::text[], %s::text[], %s::float8[], %s::text[], "
+        "%s::text[], %s::text[], %s::bigint[], %s::bigint[], %s::float8[], %s::bool[], %s::text[], %s::text[]) "
+        "AS x(r, s, t, st, sta, ph, o, cop, cdim, cgr, cseq, cb, csince, cdone, stk, src) "
+        "ON CONFLICT (run_id, rank) DO UPDATE SET seq = excluded.seq, ts = excluded.ts, step = excluded.step, "
+        "state = excluded.state, phase = excluded.phase, open_s = excluded.open_s, coll_op = excluded.coll_op, "
+        "coll_dim = excluded.coll_dim, coll_group = excluded.coll_group, coll_seq = excluded.coll_seq, "
+        "coll_bytes = excluded.coll_bytes, coll_since_s = excluded.coll_since_s, coll_done = excluded.coll_done, "
+        "stack = excluded.stack, source = excluded.source, received_at = excluded.received_at "
+        "WHERE excluded.seq > run_positions.seq",
+        (run_id, *[list(c) for c in cols]),
+    )
+    return len(pos)
+
+
+def _land_failures(cur: Any, run_id: int, fail: Sequence[dict[str, Any]]) -> tuple[int, int]:
+    first: dict[tuple[int, str], dict[str, Any]] = {}
+    for e in fail:
+        d = e["data"]
+        rank = d["rank"] if type(d.get("rank")) is int else e["rank"]
+        first.setdefault((rank, d["source"]), e)
+    keys = list(first)
+    have = {(int(r), str(s)) for r, s in cur.execute(
+        "SELECT f.rank, f.source FROM run_failures f JOIN unnest(%s::int[], %s::text[]) AS k(r, s) "
+        "ON f.rank = k.r AND f.source = k.s WHERE f.run_id = %s",
+        ([k[0] for k in keys], [k[1] for k in keys], run_id)).fetchall()}
+    n = int(cur.execute("SELECT count(*) FROM run_failures WHERE run_id = %s", (run_id,)).fetchone()[0])
+    room = max(MAX_FAILURES_PER_RUN - n, 0)
+    new = [k for k in keys if k not in have]
+    take, over = new[:room], new[room:]
+    if take:
+        rows = []
+        for k in take:
+            e = first[k]
+            d = e["data"]
+            rows.append((k[0], k[1], e["ts"], e["step"], d.get("exception"), d.get("message"),
+                         json.dumps(d["frames"]) if d.get("frames") is not None else None, d.get("phase"),
+                         d.get("signal"), d.get("exit_code")))
+        cols = list(zip(*rows, strict=True))
+        cur.execute(
+            "INSERT INTO run_failures (run_id, rank, source, ts, step, exception, message, frames, phase, signal, "
+            "exit_code) SELECT %s, r, s, t, st, ex, m, fr::jsonb, ph, sg, ec FROM unnest(%s::int[], %s::text[], "
+            "%s::float8[], %s::bigint[], %s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::int[]) "
+            "AS x(r, s, t, st, ex, m, fr, ph, sg, ec) ON CONFLICT DO NOTHING",
+            (run_id, *[list(c) for c in cols]),
+        )
+    # every failure event not stored beyond the cap counts as dropped (copies of a stored one do not)
+    dropped = sum(1 for e in fail if (e["data"]["rank"] if type(e["data"].get("rank")) is int else e["rank"],
+                                     e["data"]["source"]) in set(over))
+    return len(fail) - dropped, dropped
+
+
+def _land_pauses(cur: Any, run_id: int, pause: Sequence[dict[str, Any]]) -> int:
+    """Apply pause begin/end events in (rank, seq) order; returns the events dropped (a reason beyond
+    MAX_PAUSE_REASONS_PER_RUN)."""
+    known = {str(r) for (r,) in cur.execute(
+        "SELECT DISTINCT reason FROM run_pauses WHERE run_id = %s", (run_id,)).fetchall()}
+    evs = sorted(pause, key=lambda e: (e["rank"], e["seq"]))
+    keys = sorted({(e["rank"], e["data"]["reason"]) for e in evs})
+    rows: dict[tuple[int, str], list[Any]] = {}
+    for r, reason, seq, since, exp, total, count in cur.execute(
+            "SELECT p.rank, p.reason, p.seq, p.open_since, p.expected_s, p.total_s, p.count FROM run_pauses p "
+            "JOIN unnest(%s::int[], %s::text[]) AS k(r, re) ON p.rank = k.r AND p.reason = k.re WHERE p.run_id = %s",
+            ([k[0] for k in keys], [k[1] for k in keys], run_id)).fetchall():
+        rows[(int(r), str(reason))] = [int(seq), since, exp, float(total), int(count)]
+    dropped = 0
+    now = dt.datetime.now(dt.timezone.utc).timestamp()
+    for e in evs:
+        d = e["data"]
+        key = (e["rank"], d["reason"])
+        if d["reason"] not in known:
+            if len(known) >= MAX_PAUSE_REASONS_PER_RUN:
+                dropped += 1
+                continue
+            known.add(d["reason"])
+        row = rows.setdefault(key, [-1, None, None, 0.0, 0])
+        if e["seq"] <= row[0]:
+            continue  # a re-sent event: applied already
+        row[0] = e["seq"]
+        ts = float(e["ts"]) if e["ts"] is not None else now
+        if d["state"] == "begin":
+            row[1], row[2] = ts, d.get("expected_s")
+        else:
+            dur = d.get("duration_s")
+            if dur is None and row[1] is not None:
+                dur = max(ts - float(row[1]), 0.0)
+            row[3] += float(dur or 0.0)
+            row[4] += 1
+            row[1] = row[2] = None
+    if rows:
+        items = sorted(rows.items())
+        cur.execute(
+            "INSERT INTO run_pauses (run_id, rank, reason, seq, open_since, expected_s, total_s, count, received_at) "
+            "SELECT %s, r, re, s, o, x, t, c, now() FROM unnest(%s::int[], %s::text[], %s::bigint[], %s::float8[], "
+            "%s::float8[], %s::float8[], %s::int[]) AS u(r, re, s, o, x, t, c) "
+            "ON CONFLICT (run_id, rank, reason) DO UPDATE SET seq = excluded.seq, open_since = excluded.open_since, "
+            "expected_s = excluded.expected_s, total_s = excluded.total_s, count = excluded.count, "
+            "received_at = excluded.received_at",
+            (run_id, [k[0] for k, _ in items], [k[1] for k, _ in items], [v[0] for _, v in items],
+             [v[1] for _, v in items], [v[2] for _, v in items], [v[3] for _, v in items], [v[4] for _, v in items]),
+        )
+    return dropped
+
+
+# --------------------------------------------------------------------------------------------- reads
+
+
+@dataclass(frozen=True)
+class Position:
+    rank: int
+    ts: float | None
+    step: int | None
+    state: str | None
+    phase: str | None
+    open_s: float | None
+    op: str | None
+    dim: str | None
+    group: str | None
+    seq: int | None
+    bytes: int | None
+    since_s: float | None
+    done: bool | None
+    stack: list[dict[str, Any]] | None
+    source: str | None
+    age_s: float  # seconds since the server received it
+
+
+@dataclass(frozen=True)
+class Failure:
+    rank: int
+    source: str
+    ts: float | None
+    step: int | None
+    exception: str | None
+    message: str | None
+    frames: list[dict[str, Any]] | None
+    phase: str | None
+    signal: str | None
+    exit_code: int | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "step": self.step, "exception": self.exception, "message": self.message,
+                "exit_code": self.exit_code, "signal": self.signal, "source": self.source, "ts": self.ts,
+                "phase": self.phase, "frames": self.frames or []}
+
+
+@dataclass(frozen=True)
+class Pause:
+    rank: int
+    reason: str
+    open_since: float | None
+    expected_s: float | None
+    total_s: float
+    count: int
+
+
+def _frames(v: Any) -> list[dict[str, Any]] | None:
+    return [f for f in v if isinstance(f, dict)][:16] if isinstance(v, list) else None
+
+
+def positions(engine: Engine, run_id: int, limit: int = 262_144) -> list[Position]:
+    """The latest position of every rank that reported one (bounded by the world size)."""
+    with engine.connect() as c:
+        rows = c.execute(
+            text("SELECT rank, ts, step, state, phase, open_s, coll_op, coll_dim, coll_group, coll_seq, coll_bytes, "
+                 "coll_since_s, coll_done, stack, source, extract(epoch FROM now() - received_at) "
+                 "FROM run_positions WHERE run_id = :r ORDER BY rank LIMIT :n"), {"r": run_id, "n": limit}).fetchall()
+    return [Position(int(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12],
+                     _frames(r[13]), r[14], float(r[15])) for r in rows]
+
+
+def failures(engine: Engine, run_id: int, limit: int = 64) -> list[Failure]:
+    """The run's failures, first by time first (those without a time last), at most ``limit``."""
+    with engine.connect() as c:
+        rows = c.execute(
+            text("SELECT rank, source, ts, step, exception, message, frames, phase, signal, exit_code FROM run_failures "
+                 "WHERE run_id = :r ORDER BY ts NULLS LAST, received_at, rank, source LIMIT :n"),
+            {"r": run_id, "n": limit}).fetchall()
+    return [Failure(int(r[0]), r[1], r[2], r[3], r[4], r[5], _frames(r[6]), r[7], r[8], r[9]) for r in rows]
+
+
+def failure_count(engine: Engine, run_id: int) -> tuple[int, int]:
+    """(failure rows stored, distinct failed ranks)."""
+    with engine.connect() as c:
+        row = c.execute(text("SELECT count(*), count(DISTINCT rank) FROM run_failures WHERE run_id = :r"),
+                        {"r": run_id}).one()
+    return int(row[0]), int(row[1])
+
+
+def pauses(engine: Engine, run_id: int, *, open_only: bool = False, limit: int = 65_536) -> list[Pause]:
+    """The run's pause rows (open ones only with ``open_only``), at most ``limit``."""
+    with engine.connect() as c:
+        rows = c.execute(
+            text("SELECT rank, reason, open_since, expected_s, total_s, count FROM run_pauses WHERE run_id = :r"
+                 + (" AND open_since IS NOT NULL" if open_only else "") + " ORDER BY rank, reason LIMIT :n"),
+            {"r": run_id, "n": limit}).fetchall()
+    return [Pause(int(r[0]), r[1], r[2], r[3], float(r[4]), int(r[5])) for r in rows]
+
+
+def last_pause_end(engine: Engine, run_id: int) -> float | None:
+    """When the server received the latest end of a declared pause of the run (unix time), None without one."""
+    with engine.connect() as c:
+        v = c.execute(text("SELECT extract(epoch FROM max(received_at)) FROM run_pauses WHERE run_id = :r "
+                           "AND open_since IS NULL AND count > 0"), {"r": run_id}).scalar()
+    return None if v is None else float(v)
+
+
+def pause_totals(engine: Engine, run_ids: Sequence[int]) -> dict[int, dict[str, float]]:
+    """{run: {reason: seconds in ended pauses}}: per reason the largest over the ranks (the ranks pause
+    together; the one that paused longest held the others)."""
+    with engine.connect() as c:
+        rows = c.execute(text("SELECT run_id, reason, max(total_s) FROM run_pauses WHERE run_id = ANY(:ids) "
+                              "GROUP BY run_id, reason"), {"ids": list(run_ids)}).fetchall()
+    out: dict[int, dict[str, float]] = {}
+    for r, reason, s in rows:
+        out.setdefault(int(r), {})[str(reason)] = float(s or 0.0)
+    return out
+
+
+def node_map(engine: Engine, run_id: int) -> dict[int, str]:
+    """{rank: node (else host)} of the ranks that reported one."""
+    with engine.connect() as c:
+        rows = c.execute(text("SELECT rank, coalesce(node, host) FROM ranks WHERE run_id = :r"), {"r": run_id}).fetchall()
+    return {int(r): str(n) for r, n in rows if n is not None}
+
+
+@dataclass(frozen=True)
+class RunProgress:
+    """A run as the health pass sees it."""
+
+    run_id: int
+    name: str
+    status: str
+    world_size: int
+    started_at: float
+    finished_at: float | None
+    steps: int
+    current_step: int | None  # compacted or landed
+    state: str | None  # the health pass's last conclusion (None: never evaluated)
+    seen_step: int | None
+    progress_at: float | None  # server time the pass last saw the step advance
+    since: float | None
+    hang_s: float
+    detail: dict[str, Any]
+    now: float  # the database's now
+    failures: int = 0  # failure rows stored
+
+
+def progress(engine: Engine, run_ids: Sequence[int] | None = None, *, active_only: bool = True,
+             limit: int = 10_000) -> list[RunProgress]:
+    """The runs to evaluate: those not ended (running, stalled, hung) plus failed ones without a health
+    row, or the given ones; with their compacted/landed last step and the last health row."""
+    where = "WHERE r.id = ANY(:ids)" if run_ids is not None else (
+        "WHERE r.status IN ('running', 'stalled', 'hung') OR h.state IN ('running', 'stalled', 'hung')"
+        " OR (h.run_id IS NULL AND r.finished_at IS NULL)"
+        " OR (h.state IS DISTINCT FROM 'failed' AND fc.n > 0)"
+        if active_only else "")
+    # joins to per-run aggregates, not subqueries correlated with r.id: on Citus `runs` is a reference
+    # table, and a subquery on a distributed table correlated with it is refused
+    # the pass counts only failures received in the last day (a failed run's health row says failed
+    # already; a new failure is recent): it never scans every failure ever stored
+    only = "WHERE run_id = ANY(:ids)" if run_ids is not None else ""
+    recent = "WHERE received_at > now() - interval '1 day'"
+    sql = (
+        "SELECT r.id, r.name, r.status, r.world_size, extract(epoch FROM r.started_at), extract(epoch FROM r.finished_at), "
+        "r.steps, greatest(r.last_step, g.m), "
+        "h.state, h.last_step, extract(epoch FROM h.progress_at), extract(epoch FROM h.since), coalesce(h.hang_s, 0), "
+        "coalesce(h.detail, '{}'::jsonb), extract(epoch FROM now()), coalesce(fc.n, 0) "
+        "FROM runs r LEFT JOIN run_health h ON h.run_id = r.id "
+        f"LEFT JOIN (SELECT run_id, max(step_max) AS m FROM ingest_fragments {only} GROUP BY run_id) g ON g.run_id = r.id "
+        f"LEFT JOIN (SELECT run_id, count(*) AS n FROM run_failures {only or recent} GROUP BY run_id) fc "
+        f"ON fc.run_id = r.id {where} ORDER BY r.id LIMIT :n"
+    )
+    with engine.connect() as c:
+        rows = c.execute(text(sql), {"ids": list(run_ids or []), "n": limit}).fetchall()
+    return [RunProgress(int(r[0]), r[1], r[2], int(r[3]), float(r[4]), None if r[5] is None else float(r[5]),
+                        int(r[6] or 0), None if r[7] is None else int(r[7]), r[8], None if r[9] is None else int(r[9]),
+                        None if r[10] is None else float(r[10]), None if r[11] is None else float(r[11]),
+                        float(r[12]), r[13] if isinstance(r[13], dict) else {}, float(r[14]), int(r[15])) for r in rows]
+
+
+def step_p99(engine: Engine, run_id: int, last: int = 1000) -> float | None:
+    """The 99th percentile of the slowest rank's step time over the run's last ``last`` steps."""
+    with engine.connect() as c:
+        v = c.execute(text(
+            "SELECT percentile_cont(0.99) WITHIN GROUP (ORDER BY s) FROM (SELECT coalesce(step_s_max, step_s) AS s "
+            "FROM steps WHERE run_id = :r AND coalesce(step_s_max, step_s) IS NOT NULL ORDER BY step DESC LIMIT :n) x"),
+            {"r": run_id, "n": last}).scalar()
+    return None if v is None else float(v)
+
+
+def save_health(engine: Engine, run_id: int, *, state: str, since: float | None, finding: str | None,
+                detail: dict[str, Any], seen_step: int | None, progress_at: float | None, hang_s: float,
+                status: str | None) -> None:
+    """Store the pass's conclusion; ``status``: the run's new ``runs.status`` (None: unchanged)."""
+    with engine.begin() as c:
+        c.execute(text(
+            "INSERT INTO run_health (run_id, state, since, finding, detail, last_step, progress_at, hang_s, updated_at) "
+            "VALUES (:r, :s, to_timestamp(CAST(:since AS float8)), :f, CAST(:d AS jsonb), :ls, "
+            "to_timestamp(CAST(:pa AS float8)), :h, now()) ON CONFLICT (run_id) DO UPDATE SET state = excluded.state, "
+            "since = excluded.since, finding = excluded.finding, detail = excluded.detail, last_step = excluded.last_step, "
+            "progress_at = excluded.progress_at, hang_s = excluded.hang_s, updated_at = excluded.updated_at"),
+            {"r": run_id, "s": state, "since": since, "f": finding, "d": json.dumps(detail, default=str),
+             "ls": seen_step, "pa": progress_at, "h": hang_s})
+        if status is not None:
+            # only a run that has not ended by hand changes status (a finish always wins)
+            c.execute(text("UPDATE runs SET status = :s WHERE id = :r AND status <> :s AND "
+                           "(status IN ('running', 'stalled', 'hung') OR :s = 'failed' AND status <> 'finished')"),
+                      {"r": run_id, "s": status})
+
+
+def set_status(engine: Engine, run_id: int, status: str) -> None:
+    with engine.begin() as c:
+        c.execute(text("UPDATE runs SET status = :s WHERE id = :r"), {"r": run_id, "s": status})
+
+
+def load_health(engine: Engine, run_id: int) -> dict[str, Any] | None:
+    """The stored health row (state, since, finding, detail, hang_s, progress_at), None before any pass."""
+    with engine.connect() as c:
+        row = c.execute(text("SELECT state, extract(epoch FROM since), finding, detail, hang_s, "
+                             "extract(epoch FROM progress_at), extract(epoch FROM updated_at) FROM run_health "
+                             "WHERE run_id = :r"), {"r": run_id}).fetchone()
+    if row is None:
+        return None
+    return {"state": row[0], "since": row[1], "finding": row[2], "detail": row[3] if isinstance(row[3], dict) else {},
+            "hang_s": float(row[4] or 0), "progress_at": row[5], "updated_at": row[6]}
+
+
+def health_rows(engine: Engine, run_ids: Sequence[int]) -> dict[int, tuple[str, float | None, str | None]]:
+    """{run: (state, since, finding)} of the runs with a health row."""
+    with engine.connect() as c:
+        rows = c.execute(text("SELECT run_id, state, extract(epoch FROM since), finding FROM run_health "
+                              "WHERE run_id = ANY(:ids)"), {"ids": [int(i) for i in run_ids]}).fetchall()
+    return {int(r[0]): (r[1], None if r[2] is None else float(r[2]), r[3]) for r in rows}
+
+
+def attempts(engine: Engine, run_id: int, limit: int = 256) -> list[dict[str, Any]]:
+    """The attempts of the run's job in order: runs of the same owner with the same job id (or, without
+    one, the same name), each with its time span, status, steps and last step."""
+    with engine.connect() as c:
+        rows = c.execute(text(
+            "SELECT o.id, o.attempt, extract(epoch FROM o.started_at), extract(epoch FROM o.finished_at), "
+            "extract(epoch FROM o.last_seen_at), o.status, o.steps, o.last_step, o.job_id "
+            "FROM runs r JOIN runs o ON o.owner_key = r.owner_key AND (CASE WHEN r.job_id IS NOT NULL "
+            "THEN o.job_id = r.job_id ELSE o.job_id IS NULL AND o.name = r.name END) "
+            "WHERE r.id = :r ORDER BY o.attempt, o.id LIMIT :n"), {"r": run_id, "n": limit}).fetchall()
+        # the attempts' landed and first compacted steps by run id, not by subqueries correlated with
+        # `runs` (a reference table on Citus, which refuses those)
+        ids = [int(r[0]) for r in rows]
+        landed: dict[Any, Any] = dict(c.execute(text("SELECT run_id, max(step_max) FROM ingest_fragments WHERE run_id = ANY(:ids) "
+                                     "GROUP BY run_id"), {"ids": ids}).fetchall())
+        first: dict[Any, Any] = dict(c.execute(text("SELECT run_id, min(step) FROM steps WHERE run_id = ANY(:ids) GROUP BY run_id"),
+                               {"ids": ids}).fetchall())
+
+    def last(r: Any) -> int | None:
+        vals = [int(v) for v in (r[7], landed.get(r[0])) if v is not None]
+        return max(vals) if vals else None
+
+    return [{"run_id": int(r[0]), "attempt": int(r[1]), "started_at": r[2], "ended_at": r[3] if r[3] is not None else r[4],
+             "finished": r[3] is not None, "status": r[5], "steps": int(r[6] or 0),
+             "last_step": last(r), "job_id": r[8],
+             "first_step": None if first.get(r[0]) is None else int(first[r[0]])} for r in rows]
+
+
+def steps_at_or_below(engine: Engine, run_id: int, step: int) -> tuple[int, float]:
+    """(steps of the run with index ≤ ``step``, their summed median step time)."""
+    with engine.connect() as c:
+        row = c.execute(text("SELECT count(*), coalesce(sum(step_s), 0) FROM steps WHERE run_id = :r AND step <= :s"),
+                        {"r": run_id, "s": step}).one()
+    return int(row[0]), float(row[1])
+
+
+_FLEET_GOODPUT = (
+    "WITH r AS (SELECT id, started_at, extract(epoch FROM coalesce(finished_at, last_seen_at, started_at) - started_at) "
+    "AS wall FROM runs WHERE started_at > now() - make_interval(days => :d)), "
+    "p AS (SELECT run_id, sum(greatest(coalesce(step_s, 0) - coalesce(data_s, 0), 0)) AS prod FROM steps "
+    "WHERE run_id IN (SELECT id FROM r) GROUP BY run_id) "
+    "SELECT date_trunc('day', r.started_at AT TIME ZONE 'UTC') AS day, count(*), coalesce(sum(p.prod), 0), "
+    "sum(greatest(r.wall, coalesce(p.prod, 0))) FROM r LEFT JOIN p ON p.run_id = r.id GROUP BY 1 ORDER BY 1"
+)
+
+
+def fleet_goodput_rows(engine: Engine, days: int) -> list[Any]:
+    """(day, runs, productive seconds, wall seconds) per UTC day of the runs started in the last
+    ``days`` days (reports.health.fleet_goodput)."""
+    with engine.connect() as c:
+        return list(c.execute(text(_FLEET_GOODPUT), {"d": int(days)}).fetchall())

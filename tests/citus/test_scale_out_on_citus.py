@@ -1,0 +1,1 @@
+../e2e/test_scale_out.py

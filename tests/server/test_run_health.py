@@ -1,0 +1,388 @@
+"""Run health over the real server and Postgres: stalled → hung with the wavefront (the ranks that never
+arrived, their nodes and stacks), node lost, the first failure as root cause, declared pauses (no
+alert), resume → resolved, Slack payloads at a local receiver, and the bounds on position / failure data."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from analysis_util import Receiver
+from health_util import (
+    FAST,
+    alerts,
+    event,
+    frame,
+    health,
+    nodes,
+    state_is,
+    steps_batch,
+    stuck,
+    wait_for,
+    waiting,
+)
+from sqlalchemy import text
+
+
+@pytest.fixture
+def slack() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def srv(db_url: str, slack: Receiver) -> Iterator[Any]:
+    from conftest import start_server
+
+    s = start_server(db_url, slack_webhook_url=slack.url, **FAST)
+    yield s
+    s.stop()
+
+
+def _run(c: Any, name: str, world: int, steps: int, t0: float) -> int:
+    rid = c.register_run({"name": name, "world_size": world, "started_at": t0})
+    c.ingest(steps_batch(rid, world, range(steps), t0=t0, ranks=nodes(world)))
+    return rid
+
+
+def _health_alerts(srv: Any, run_id: int) -> list[dict[str, Any]]:
+    return [a for a in alerts(srv) if a["run_id"] == run_id and a["kind"] in ("hang", "node_lost", "failure")]
+
+
+def test_hang_names_the_rank_that_never_arrived_its_node_and_stack_then_resolves_when_steps_resume(
+        srv: Any, slack: Receiver) -> None:
+    t0 = time.time() - 60
+    with srv.client() as c:
+        rid = _run(c, "llama-hang", 8, 5, t0)
+        srv.compact()
+        assert wait_for(state_is(srv, rid, "running"))["state"] == "running"
+
+        stack = [frame("/ws/train.py", 90, "main"), frame("/ws/data/dataloader.py", 211, "__next__")]
+
+        def positions() -> None:  # each rank's sender thread, every few seconds while the step stays open
+            evs = [waiting(r, 5, "all_reduce", 12) for r in range(8) if r != 5]
+            evs.append(stuck(5, 5, 11, stack, open_s=35.0))
+            c.ingest({"v": 1, "run_id": rid, "events": evs})
+
+        h = wait_for(state_is(srv, rid, "hung"), timeout=30, tick=positions)
+    assert h["missing_ranks"] == [5] and h["missing_count"] == 1
+    assert h["missing_nodes"] == ["n0001"]
+    assert h["collective"] == {"op": "all_reduce", "dim": "dp", "seq": 12}
+    assert h["waiting"]["ranks"] == 7 and h["waiting"]["op"] == "all_reduce"
+    assert h["stacks"]["5"][-1] == {"file": "/ws/data/dataloader.py", "line": 211, "func": "__next__"}
+    assert list(h["stacks"]) == ["5"]
+    assert ("run llama-hang hung at step 5: 7 of 8 ranks wait in all_reduce #12 on dim dp; "
+            "rank 5 (node n0001) never arrived — stuck in `dataloader.py:211 __next__` for") in h["finding"]
+    assert h["since"] is not None
+    assert httpx.get(f"{srv.url}/api/v1/runs/{rid}").json()["status"] == "hung"
+
+    # one alert for the incident (not one per rank, not one per pass), in Slack with the deep link
+    (a,) = wait_for(lambda: _health_alerts(srv, rid))
+    assert a["kind"] == "hang" and a["state"] == "firing" and a["url"] == f"https://fleet.example/runs/{rid}"
+    assert a["details"]["missing_ranks"] == [5]
+    assert [x["id"] for x in alerts(srv, kind="hang")] == [a["id"]]
+    msgs = wait_for(lambda: slack.bodies or None)
+    assert len(msgs) == 1
+    assert "rank 5 (node n0001) never arrived" in msgs[0]["text"] and f"https://fleet.example/runs/{rid}" in msgs[0]["text"]
+    assert any(b.get("type") == "actions" and b["elements"][0]["url"] == a["url"] for b in msgs[0]["blocks"])
+    time.sleep(1.0)  # several passes later: still one alert, one message
+    assert len(_health_alerts(srv, rid)) == 1 and len(slack.bodies) == 1
+
+    # the stuck rank recovers: steps resume -> running, the alert resolves by itself
+    with srv.client() as c:
+        c.ingest(steps_batch(rid, 8, range(5, 8), t0=time.time() - 2))
+    srv.compact()
+    h = wait_for(state_is(srv, rid, "running"))
+    assert h["missing_ranks"] == [] and h["finding"] is None
+    (a,) = wait_for(lambda: [x for x in _health_alerts(srv, rid) if x["state"] == "resolved"] or None)
+    assert a["resolved_at"] is not None
+    wait_for(lambda: len(slack.bodies) == 2)
+    assert "resumed" in slack.bodies[1]["text"]
+    assert httpx.get(f"{srv.url}/api/v1/runs/{rid}").json()["status"] == "running"
+    # the hang's time is kept for goodput
+    with srv.state.engine.connect() as conn:
+        assert conn.execute(text("SELECT hang_s FROM run_health WHERE run_id = :r"), {"r": rid}).scalar() > 1.0
+
+
+def test_a_rank_blocked_in_an_earlier_collective_of_the_dimension_is_the_one_that_never_arrived(srv: Any) -> None:
+    t0 = time.time() - 60
+    with srv.client() as c:
+        rid = _run(c, "behind", 4, 3, t0)
+        srv.compact()
+        wait_for(state_is(srv, rid, "running"))
+
+        def positions() -> None:
+            evs = [waiting(r, 3, "reduce_scatter", 40, dim="fsdp") for r in (0, 1, 3)]
+            evs.append(waiting(2, 3, "reduce_scatter", 39, dim="fsdp"))  # still in the previous one
+            c.ingest({"v": 1, "run_id": rid, "events": evs})
+
+        h = wait_for(state_is(srv, rid, "hung"), tick=positions)
+    assert h["missing_ranks"] == [2] and h["collective"] == {"op": "reduce_scatter", "dim": "fsdp", "seq": 40}
+    assert "3 of 4 ranks wait in reduce_scatter #40 on dim fsdp; rank 2 (node n0000) never arrived" in h["finding"]
+
+
+def test_all_ranks_of_a_node_silent_while_others_report_is_node_lost(srv: Any, slack: Receiver) -> None:
+    t0 = time.time() - 60
+    with srv.client() as c:
+        rid = _run(c, "node-loss", 8, 4, t0)
+        srv.compact()
+        wait_for(state_is(srv, rid, "running"))
+
+        def positions() -> None:  # node n0001 (ranks 4-7) says nothing any more
+            c.ingest({"v": 1, "run_id": rid, "events": [waiting(r, 4, "all_reduce", 9) for r in range(4)]})
+
+        h = wait_for(state_is(srv, rid, "hung"), tick=positions)
+    assert h["missing_nodes"] == ["n0001"] and h["missing_ranks"] == [4, 5, 6, 7]
+    assert "node n0001 lost — all 4 of its ranks (4–7) went silent while 4 others report" in h["finding"]
+    (a,) = wait_for(lambda: _health_alerts(srv, rid))
+    assert a["kind"] == "node_lost"
+    msgs = wait_for(lambda: slack.bodies or None)
+    assert "node n0001 lost" in msgs[0]["text"]
+
+
+def test_the_first_failure_by_time_is_the_root_cause_and_the_run_turns_failed(srv: Any, slack: Receiver) -> None:
+    t0 = time.time() - 60
+    now = time.time()
+    with srv.client() as c:
+        rid = _run(c, "crashy", 4, 6, t0)
+        srv.compact()
+        wait_for(state_is(srv, rid, "running"))
+        # the ranks torn down after the root cause report first (the order of arrival must not matter)
+        torn = [event(r, "failure", {"source": "signal", "signal": "SIGTERM", "exit_code": -15, "rank": r,
+                                     "exception": None, "message": None, "frames": [], "phase": "backward"},
+                      step=6, ts=now + 2 + r) for r in (0, 1, 3)]
+        c.ingest({"v": 1, "run_id": rid, "events": torn})
+        root = event(2, "failure", {
+            "source": "exception", "exception": "RuntimeError", "message": "CUDA error: an illegal memory access",
+            "frames": [frame("/ws/train.py", 120, "main"), frame("/ws/model/attn.py", 77, "forward")],
+            "phase": "forward", "signal": None, "exit_code": 1, "rank": 2}, step=6, ts=now)
+        launcher = event(0, "failure", {"source": "launcher", "exit_code": 1, "rank": 2, "message": "exitcode 1"},
+                         step=6, ts=now + 5)
+        c.ingest({"v": 1, "run_id": rid, "events": [root, launcher, root]})  # a copy of the root: stored once
+        h = wait_for(state_is(srv, rid, "failed"))
+    f0 = h["failures"][0]
+    assert (f0["rank"], f0["exception"], f0["step"], f0["source"]) == (2, "RuntimeError", 6, "exception")
+    assert f0["frames"][-1]["func"] == "forward" and f0["message"] == "CUDA error: an illegal memory access"
+    assert [f["rank"] for f in h["failures"]] == [2, 0, 1, 3, 2] and h["failures_count"] == 5
+    assert h["failed_ranks"] == 4
+    assert h["finding"] == ("run crashy failed at step 6: rank 2 (node n0000) raised RuntimeError: CUDA error: an "
+                            "illegal memory access in `attn.py:77 forward` during forward; 3 other ranks failed after it")
+    assert httpx.get(f"{srv.url}/api/v1/runs/{rid}").json()["status"] == "failed"
+    (a,) = wait_for(lambda: _health_alerts(srv, rid))
+    assert a["kind"] == "failure" and a["details"]["root_cause"]["rank"] == 2
+    msgs = wait_for(lambda: slack.bodies or None)
+    assert "rank 2 (node n0000) raised RuntimeError in `attn.py:77 forward`" in msgs[0]["text"]
+    # the exception's message (it may hold a secret) stays in the run's record, out of alerts and Slack
+    assert "illegal memory access" not in str(msgs[0]) and "illegal memory access" not in str(a["details"])
+    time.sleep(0.8)
+    assert len(slack.bodies) == 1 and len(_health_alerts(srv, rid)) == 1
+
+
+def test_killed_rank_is_named_with_its_signal(srv: Any) -> None:
+    with srv.client() as c:
+        rid = _run(c, "killed", 2, 2, time.time() - 30)
+        c.ingest({"v": 1, "run_id": rid, "events": [event(1, "failure", {
+            "source": "signal", "signal": "SIGKILL", "exit_code": -9, "rank": 1})]})
+    h = wait_for(state_is(srv, rid, "failed"))
+    assert "rank 1 (node n0000) was killed by SIGKILL" in h["finding"]
+
+
+def test_declared_pause_holds_off_the_detector_then_a_real_stall_alerts(srv: Any, slack: Receiver) -> None:
+    t0 = time.time() - 60
+    with srv.client() as c:
+        rid = _run(c, "ckpt", 2, 4, t0)
+        srv.compact()
+        wait_for(state_is(srv, rid, "running"))
+        c.ingest({"v": 1, "run_id": rid, "events": [
+            event(r, "pause", {"reason": "checkpoint_save", "state": "begin", "expected_s": 3.0}, step=4)
+            for r in range(2)]})
+        h = wait_for(lambda: (x := health(srv, rid))["pause"] and x)
+        assert h["state"] == "running" and h["pause"]["reason"] == "checkpoint_save" and h["pause"]["ranks"] == 2
+        time.sleep(5.0)  # past the stall threshold (2 s): the declared pause holds it off
+        h = health(srv, rid)
+        assert h["state"] == "running" and h["pause"] is not None
+        assert _health_alerts(srv, rid) == [] and slack.bodies == []
+        c.ingest({"v": 1, "run_id": rid, "events": [
+            event(r, "pause", {"reason": "checkpoint_save", "state": "end", "duration_s": 5.2}, step=4)
+            for r in range(2)]})
+        time.sleep(1.0)  # the pause ended, no step yet: the stall clock restarted at its end, not at the last step
+        assert health(srv, rid)["state"] == "running" and _health_alerts(srv, rid) == []
+        c.ingest(steps_batch(rid, 2, range(4, 6), t0=time.time() - 1))
+        srv.compact()
+        h = wait_for(state_is(srv, rid, "running"))
+        assert h["pause"] is None and _health_alerts(srv, rid) == []
+        g = c.summary(rid)["goodput"]
+        assert g["lost"]["checkpoint"] == pytest.approx(5.2)
+        # now it stops with no pause declared and no positions (an older agent): stalled, and a hang alert
+        h = wait_for(state_is(srv, rid, "stalled"), timeout=30)
+    assert h["finding"].startswith("run ckpt stalled at step 6: no step finished for")
+    assert h["missing_ranks"] == [] and h["collective"] is None
+    (a,) = wait_for(lambda: _health_alerts(srv, rid))
+    assert a["kind"] == "hang"
+
+
+def test_finished_run_is_finished_and_an_unknown_run_is_404(srv: Any) -> None:
+    with srv.client() as c:
+        rid = _run(c, "done", 2, 3, time.time() - 30)
+        c.finish_run(rid, "finished")
+    h = wait_for(state_is(srv, rid, "finished"))
+    assert h["failures"] == [] and h["attempts"][0]["run_id"] == rid
+    r = httpx.get(f"{srv.url}/api/v1/runs/999999/health")
+    assert r.status_code == 404 and "run 999999 not found" in r.text
+
+
+@pytest.mark.parametrize(("kind", "data", "where"), [
+    ("position", {"state": "flying"}, "data.state"),
+    ("position", {"state": "in_step", "open_s": -1}, "data.open_s"),
+    ("position", {"state": "in_step", "collective": {"op": "all_reduce", "seq": "12"}}, "data.collective.seq"),
+    ("position", {"state": "in_step", "stack": [{"file": "a.py", "line": 1, "func": "f"}] * 13}, "data.stack"),
+    ("position", {"state": "in_step", "stack": [{"file": "a.py", "line": "1", "func": "f"}]}, "data.stack[0].line"),
+    ("failure", {"source": "meteor"}, "data.source"),
+    ("failure", {"source": "exit", "exit_code": 1.5}, "data.exit_code"),
+    ("failure", {"source": "exception", "frames": "boom"}, "data.frames"),
+    ("failure", {"source": "launcher", "exit_code": 1, "rank": 2}, "data.rank"),  # the run has 2 ranks
+    ("pause", {"reason": "checkpoint_save", "state": "middle"}, "data.state"),
+    ("pause", {"state": "begin"}, "data.reason"),
+])
+def test_bad_health_events_are_refused_naming_the_field(live_server: Any, kind: str, data: dict[str, Any],
+                                                        where: str) -> None:
+    with live_server.client() as c:
+        rid = c.register_run({"name": f"bad-{kind}", "world_size": 2})
+    r = httpx.post(f"{live_server.url}/api/v1/ingest", json={"v": 1, "run_id": rid, "events": [event(0, kind, data)]},
+                   headers={"Authorization": f"Bearer {live_server.token}"})
+    assert r.status_code == 422, r.text
+    assert f'"events[0].{where}' in r.text  # the error names the field (docs/api.md, errors)
+    with live_server.state.engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM run_positions")).scalar() == 0
+        assert conn.execute(text("SELECT count(*) FROM run_failures")).scalar() == 0
+
+
+def test_positions_keep_the_latest_per_rank_and_failures_are_bounded(live_server: Any) -> None:
+    from fleetscope.server.limits import MAX_FAILURE_MESSAGE_CHARS
+
+    with live_server.client() as c:
+        rid = c.register_run({"name": "bounded", "world_size": 4})
+        first = waiting(1, 3, "all_reduce", 5)
+        later = waiting(1, 4, "all_reduce", 7)
+        c.ingest({"v": 1, "run_id": rid, "events": [later, first]})  # the later one wins whatever the order
+        c.ingest({"v": 1, "run_id": rid, "events": [first]})  # a re-sent older one changes nothing
+        msg = "x" * (MAX_FAILURE_MESSAGE_CHARS + 500)
+        c.ingest({"v": 1, "run_id": rid, "events": [
+            event(2, "failure", {"source": "exception", "exception": "ValueError", "message": msg, "rank": 2})]})
+    eng = live_server.state.engine
+    with eng.connect() as conn:
+        rows = conn.execute(text("SELECT rank, step, coll_seq FROM run_positions WHERE run_id = :r"), {"r": rid}).fetchall()
+        assert [tuple(x) for x in rows] == [(1, 4, 7)]
+        m = conn.execute(text("SELECT message FROM run_failures WHERE run_id = :r"), {"r": rid}).scalar()
+        assert len(m) == MAX_FAILURE_MESSAGE_CHARS and m.endswith("…")
+        folded = conn.execute(text("SELECT folded FROM run_event_counts WHERE run_id = :r AND kind = 'failure'"),
+                              {"r": rid}).scalar()
+        assert folded == 1
+        # positions and failures never land in run_events (capped per kind)
+        assert conn.execute(text("SELECT count(*) FROM run_events WHERE run_id = :r"), {"r": rid}).scalar() == 0
+
+
+def test_simulate_hang_crash_and_restart_scenarios_produce_what_a_real_job_would(srv: Any) -> None:
+    """``fleetscope simulate --hang / --crash / --restart`` through the real agent transport."""
+    import threading
+
+    from fleetscope.simulate import run_simulation
+
+    common = {"server": srv.url, "token": srv.token, "family": "vla-7b", "ranks": 16, "steps": 8, "step_ms": 200.0,
+              "flush_timeout_s": 60.0}
+    t = threading.Thread(target=run_simulation, kwargs={**common, "run": "sim-hang", "hang": (11, 5), "hold_s": 25.0},
+                         daemon=True)
+    t.start()
+    rid = wait_for(lambda: (r := httpx.get(f"{srv.url}/api/v1/runs", params={"name": "sim-hang"}).json()["runs"])
+                   and r[0]["id"])
+    h = wait_for(state_is(srv, rid, "hung"), timeout=40)
+    assert h["missing_ranks"] == [11] and h["missing_nodes"] == ["node0001"] and h["waiting"]["ranks"] == 15
+    assert h["stacks"]["11"][-1]["func"] == "read_shard"
+    t.join(60)
+
+    run_simulation(**common, run="sim-crash", crash=(6, 4))
+    rid = httpx.get(f"{srv.url}/api/v1/runs", params={"name": "sim-crash"}).json()["runs"][0]["id"]
+    h = wait_for(state_is(srv, rid, "failed"))
+    assert h["failures"][0]["rank"] == 6 and h["failures"][0]["exception"] == "RuntimeError"
+    assert h["failed_ranks"] == 16 and "15 other ranks failed after it" in h["finding"]
+
+    run_simulation(**common, run="sim-restart", restart=6, checkpoint_every=4)
+    runs = httpx.get(f"{srv.url}/api/v1/runs", params={"name": "sim-restart"}).json()["runs"]
+    assert sorted(r["attempt"] for r in runs) == [0, 1] and {r["job_id"] for r in runs} == {"sim-restart"}
+    a1 = next(r["id"] for r in runs if r["attempt"] == 1)
+    srv.compact()
+    att = health(srv, a1)["attempts"]
+    assert [a["attempt"] for a in att] == [0, 1] and att[0]["status"] == "failed"
+    assert [a["redone_steps"] for a in att] == [0, 2]  # checkpoint at 4, crashed at 6: steps 4 and 5 redone
+
+
+def test_wavefront_victims_in_other_collectives_are_not_blamed_and_ranks_are_listed_as_ranges() -> None:
+    """The pure wavefront: 16 ranks, 2 data-parallel groups; rank 9 stuck in the data loader, its tensor-
+    parallel peer 8 blocked in a tp collective waiting for it (a victim), everyone else in the dp all_reduce."""
+    from dataclasses import dataclass
+
+    from fleetscope.server.analysis.health import HealthParams, evaluate, wavefront
+
+    @dataclass
+    class P:
+        rank: int
+        op: str | None
+        dim: str | None
+        seq: int | None
+        done: bool | None
+        state: str = "in_step"
+        phase: str | None = "backward"
+        step: int | None = 40
+        ts: float | None = 1000.0
+        open_s: float | None = 100.0
+        group: str | None = None
+        stack: list[dict[str, Any]] | None = None
+        age_s: float = 1.0
+
+    ps = [P(r, "all_reduce", "dp", 77, False) for r in range(16) if r not in (8, 9)]
+    ps.append(P(8, "all_gather", "tp", 310, False))
+    ps.append(P(9, "all_reduce", "dp", 76, True, phase="data", stack=[frame("/a/loader.py", 5, "next_batch")]))
+    nodes = {r: f"n{r // 8}" for r in range(16)}
+    wf = wavefront(ps, 16, nodes, silence_s=30)
+    assert wf.waiting == {"op": "all_reduce", "dim": "dp", "group": None, "seq": 77, "ranks": 14} and wf.missing == [9]
+    v = evaluate(name="mesh", status="running", world_size=16, steps=40, current_step=39, now=1000.0, progress_at=800.0,
+                 p99_step_s=1.0, failures=[], n_failed_ranks=0, finished_at=None, pauses=[], positions=ps, nodes=nodes,
+                 params=HealthParams())
+    assert v.state == "hung" and v.missing_ranks == [9] and v.missing_nodes == ["n1"]
+    assert "rank 9 (node n1) never arrived — stuck in `loader.py:5 next_batch` for 2 min" in v.finding
+    # a silent block of ranks (8-15 all silent: node n1 lost) is named as a node and a range
+    for p in ps:
+        if p.rank >= 8:
+            p.age_s = 120.0
+    v = evaluate(name="mesh", status="running", world_size=16, steps=40, current_step=39, now=1000.0, progress_at=800.0,
+                 p99_step_s=1.0, failures=[], n_failed_ranks=0, finished_at=None, pauses=[], positions=ps, nodes=nodes,
+                 params=HealthParams())
+    assert v.kind == "node_lost" and v.missing_ranks == list(range(8, 16))
+    assert "node n1 lost — all 8 of its ranks (8–15) went silent while 8 others report" in v.finding
+    # without a mesh dimension the collective is named by its process group
+    plain = [P(r, "broadcast", None, 5, False, group="pg1") for r in range(3)] + [P(3, "broadcast", None, 4, True,
+                                                                                    group="pg1")]
+    v = evaluate(name="plain", status="running", world_size=4, steps=40, current_step=39, now=1000.0,
+                 progress_at=800.0, p99_step_s=1.0, failures=[], n_failed_ranks=0, finished_at=None, pauses=[],
+                 positions=plain, nodes={}, params=HealthParams())
+    assert v.missing_ranks == [3] and "3 of 4 ranks wait in broadcast #5 of group pg1; rank 3 never arrived" in v.finding
+
+
+def test_health_alerts_in_slack_escape_what_the_job_wrote() -> None:
+    from fleetscope.server.notifier import slack_message, webhook_payload
+
+    alert = {"id": 3, "kind": "failure", "state": "firing", "run_id": 7, "metric": "run_state",
+             "url": "https://fleet.example/runs/7",
+             "details": {"run_name": "r", "finding": "run r failed at step 4: rank 1 raised <!channel> in `a.py:1 <@U1>`"}}
+    msg = slack_message(alert, "fired")
+    text = str(msg)
+    assert "<!channel>" not in text and "<@U1>" not in text and "&lt;!channel&gt;" in msg["text"]
+    assert msg["blocks"][0]["text"]["text"] == "Run failed · fleetscope"
+    assert any(b.get("type") == "actions" and b["elements"][0]["url"] == alert["url"] for b in msg["blocks"])
+    assert webhook_payload(alert, "fired")["summary"] == alert["details"]["finding"]
+    assert slack_message(alert, "resolved")["text"].startswith("Resolved: the failure of run r was resolved")
+    assert slack_message({**alert, "kind": "hang"}, "resolved")["text"].startswith("Resolved: run r resumed")

@@ -281,12 +281,12 @@ def _install_graph_collectives(run: Run, tx: Transport) -> None:
     """Collectives only torch's Flight Recorder sees (compiled graphs, C++): counted on the sender
     thread (flight_recorder.py). The buffer is asked for here when no process group exists yet."""
     try:
-        from . import flight_recorder
+        from . import flight_recorder, health
 
         dist = sys.modules.get("torch.distributed")
         if dist is None or not dist.is_available() or not dist.is_initialized():
             flight_recorder.enable()
-        flight_recorder.install(run, tx)
+        flight_recorder.install(run, tx, health.event)
     except Exception as e:  # noqa: BLE001
         log.debug("fleetscope: flight recorder not used (%r)", e)
 
@@ -376,7 +376,7 @@ def _install_stop_watch(run: Run, tx: Transport) -> None:
         if run.config.heartbeat_s > 0:
             health.install(run, tx)
         failures.install(get_run)
-        checkpoint_watch.install()
+        checkpoint_watch.install(get_run)
     except Exception as e:  # noqa: BLE001
         log.warning("fleetscope: run-stop reporting unavailable (%r)", e)
 

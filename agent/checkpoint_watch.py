@@ -114,10 +114,11 @@ def tensor_bytes(obj: Any, limit: int = LARGE_BYTES) -> int:
     return total
 
 
-def _current_run() -> Any:
-    from .run import get_run
+_get_run: Callable[[], Any] = lambda: None  # noqa: E731 - run.get_run, set by install (no import of run.py here)
 
-    run = get_run()
+
+def _current_run() -> Any:
+    run = _get_run()
     if run is None or run._finished or os.getpid() != run._pid:
         return None
     return run
@@ -221,10 +222,11 @@ def _after_dcp() -> None:
         log.debug("fleetscope: torch.distributed.checkpoint not watched (%r)", e)
 
 
-def install() -> None:
+def install(get_run: Callable[[], Any]) -> None:
     """Watch torch.save/torch.load (torch imported) and torch.distributed.checkpoint (now or when
-    imported). Idempotent; never raises."""
-    global _watching
+    imported), as pauses of the run ``get_run()`` returns. Idempotent; never raises."""
+    global _watching, _get_run
+    _get_run = get_run
     try:
         torch = sys.modules.get("torch")
         if torch is not None:

@@ -396,10 +396,10 @@ def position_collective(run: Any = None) -> dict[str, Any] | None:
             "since_s": max(0.0, now - e.created) if e.created else 0.0, "done": pending is None}
 
 
-def install(run: Any, transport: Any) -> GraphCollectives | None:
+def install(run: Any, transport: Any, make_event: Callable[..., dict[str, Any]]) -> GraphCollectives | None:
     """Count ``run``'s graph collectives on ``transport``'s sender thread: chained after whatever
     ``transport.observe`` already does (health.py), a ``graph_collectives`` event per settled batch of
-    steps. None where the transport has no sender-thread hook or the recorder is switched off."""
+    steps, made by ``make_event(run, kind, step, data)`` (health.event: a seq off the training thread's). None where the transport has no sender-thread hook or the recorder is switched off."""
     if not hasattr(transport, "observe") or os.environ.get("FLEETSCOPE_FLIGHT_RECORDER", "1").strip().lower() in (
             "0", "false", "no", "off"):
         return None
@@ -417,10 +417,8 @@ def install(run: Any, transport: Any) -> GraphCollectives | None:
             closing = stop is not None and stop.is_set()  # the last cycles: settle every step seen
             data = gc.poll(force=closing)
             if data is not None:
-                from .health import event
-
                 # into the records this cycle delivers (before a finish marker, which ends a batch)
-                rec = ("event", event(run, "graph_collectives", int(data["steps"][1]), data))
+                rec = ("event", make_event(run, "graph_collectives", int(data["steps"][1]), data))
                 at = len(items) - 1 if items and items[-1][0] == _FINISH_KIND else len(items)
                 items.insert(at, rec)
         except Exception as e:  # noqa: BLE001 - the recorder is an extra: off, never in the way

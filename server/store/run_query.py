@@ -35,7 +35,7 @@ from typing import Any
 from sqlalchemy import Engine, text
 
 from .rows import RunRow
-from .runs import _COLS, _row, _with_pending
+from .runs import _COLS, _row, _snapshot, _with_pending
 
 __all__ = ["Filter", "RunQuery", "QueryError", "parse_query", "query_runs", "group_runs", "stale_figure_runs",
            "FIGURES", "OPERATORS", "MAX_GROUPS", "MAX_FILTERS", "key_options", "parse_clauses"]
@@ -367,7 +367,7 @@ def query_runs(engine: Engine, q: RunQuery, *, columns: Sequence[str] = ()) -> t
         if f.field in FIGURES:
             sql.figures = True
     sel_extra = "".join(f", {v} AS x{i}" for i, (_c, v) in enumerate(extra))
-    with engine.connect() as conn:
+    with _snapshot(engine) as conn:  # the counters and the fragments of one moment (runs._snapshot)
         total = int(conn.execute(text(f"SELECT count(*) FROM {_from(sql)} {where}"), sql.params).scalar() or 0)
         rows = conn.execute(
             text(f"SELECT {', '.join('r.' + c.strip() for c in _COLS.split(','))}{sel_extra} FROM {_from(sql)} {where} "

@@ -150,9 +150,20 @@ def _with_pending(c: Connection, runs: list[RunRow], only_running: bool) -> list
             if r.id in pending else r for r in runs]
 
 
+def _snapshot(engine: Engine) -> Connection:
+    """A connection whose statements see one snapshot (REPEATABLE READ): a run's counters and its
+    not-yet-compacted fragments are read apart, and a compaction committing between the two reads
+    would otherwise show the run with neither (0 rank-steps for a moment) or with both. On Citus the
+    default isolation is kept (its snapshots are per node)."""
+    from .citus import is_citus
+
+    c = engine.connect()
+    return c if is_citus(engine) else c.execution_options(isolation_level="REPEATABLE READ")
+
+
 def get_run(engine: Engine, run_id: int, *, pending: bool = True) -> RunRow | None:
     """One run, with its not-yet-compacted counts unless ``pending=False``; None when there is no such run."""
-    with engine.connect() as c:
+    with _snapshot(engine) as c:
         rows = _select(c, "WHERE id = :id", {"id": run_id}, "id", 1)
         if not rows:
             return None
@@ -167,7 +178,7 @@ def list_runs(engine: Engine, *, name: str | None = None, family: str | None = N
         if v:
             where.append(f"{col} = :{key}")
             params[key] = v
-    with engine.connect() as c:
+    with _snapshot(engine) as c:
         rows = _select(c, ("WHERE " + " AND ".join(where)) if where else "", params, "started_at DESC, id DESC",
                        max(1, min(limit, 10_000)))
         return _with_pending(c, rows, only_running=True)

@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import Any
 
 from .health import event
-from .import_hook import CallbackLoader
+from .import_hook import AfterImport
 
 __all__ = ["Pause", "install", "uninstall", "LARGE_BYTES", "tensor_bytes"]
 
@@ -193,28 +193,6 @@ def _patch_dcp() -> None:
         _patch(dcp, name, kind, _always)
 
 
-class _DcpWatcher:
-    """A meta-path finder that patches ``torch.distributed.checkpoint`` once the job imports it."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != "torch.distributed.checkpoint":
-            return None
-        import importlib.util
-
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
-        try:
-            spec = importlib.util.find_spec(fullname)
-        except Exception:  # noqa: BLE001
-            return None
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        spec.loader = CallbackLoader(spec.loader, _after_dcp)
-        return spec
-
-
 def _after_dcp() -> None:
     try:
         _patch_dcp()
@@ -236,7 +214,7 @@ def install(get_run: Callable[[], Any]) -> None:
             _patch_dcp()
         elif not _watching:
             _watching = True
-            sys.meta_path.insert(0, _DcpWatcher())  # type: ignore[arg-type]
+            sys.meta_path.insert(0, AfterImport({"torch.distributed.checkpoint": _after_dcp}))
     except Exception as e:  # noqa: BLE001
         log.debug("fleetscope: checkpoints not watched (%r)", e)
 

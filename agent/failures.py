@@ -248,31 +248,6 @@ _elastic_wrapped = False
 _LEA = "torch.distributed.elastic.agent.server.local_elastic_agent"
 
 
-class _ElasticWatcher:
-    """Finds nothing itself: when torchrun imports its local agent, wrap it right after (importing it
-    ourselves, earlier than torchrun does, changes how torchrun sets up its workers' stores)."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != _LEA:
-            return None
-        import importlib.util
-
-        from .import_hook import CallbackLoader
-
-        try:
-            sys.meta_path.remove(self)  # type: ignore[arg-type]
-        except ValueError:
-            pass
-        try:
-            spec = importlib.util.find_spec(fullname)
-        except Exception:  # noqa: BLE001
-            return None
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        spec.loader = CallbackLoader(spec.loader, _wrap_elastic)
-        return spec
-
-
 def watch_elastic() -> bool:
     """In torchrun's process: report failed workers (``LocalElasticAgent._monitor_workers``), once
     torchrun imports its agent (now, if it already did)."""
@@ -281,7 +256,11 @@ def watch_elastic() -> bool:
     if _LEA in sys.modules:
         _wrap_elastic()
     else:
-        sys.meta_path.insert(0, _ElasticWatcher())  # type: ignore[arg-type]
+        from .import_hook import AfterImport
+
+        # importing torchrun's agent ourselves, earlier than torchrun does, changes how it sets up its
+        # workers' stores: wrap it right after torchrun imports it
+        sys.meta_path.insert(0, AfterImport({_LEA: _wrap_elastic}))
     return True
 
 

@@ -27,13 +27,13 @@ a failure is reported once through the run and the job goes on.
 
 from __future__ import annotations
 
-import importlib.abc
 import logging
 import sys
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
-from .import_hook import CallbackLoader
+from .import_hook import AfterImport
 
 __all__ = ["arm", "HF_PREFIX", "LIGHTNING_PREFIX"]
 
@@ -63,48 +63,16 @@ def arm() -> None:
                 patch(mod)
                 del targets[name]
         if targets:
-            sys.meta_path.insert(0, _Watcher(targets))
+            sys.meta_path.insert(0, AfterImport({name: partial(_after, name, patch) for name, patch in targets.items()}))
     except Exception as e:  # noqa: BLE001
         log.warning("fleetscope: framework capture not armed: %r", e)
 
 
-class _Watcher(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when a watched module is looked for, wraps its real loader so that the
-    patch runs right after the module has executed."""
-
-    def __init__(self, targets: dict[str, Callable[[Any], None]]) -> None:
-        self._targets = targets
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        patch = self._targets.pop(fullname, None)
-        if patch is None:
-            return None
-        if not self._targets:
-            try:
-                sys.meta_path.remove(self)
-            except ValueError:
-                pass
-        spec = None
-        try:
-            for finder in list(sys.meta_path):  # the real spec, from the finders after this one
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    break
-        except Exception:  # noqa: BLE001
-            return None
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-
-        def after() -> None:
-            try:
-                patch(sys.modules[fullname])
-            except Exception as e:  # noqa: BLE001
-                log.warning("fleetscope: framework capture of %s failed: %r", fullname, e)
-
-        spec.loader = CallbackLoader(spec.loader, after)
-        return spec
+def _after(fullname: str, patch: Callable[[Any], None]) -> None:
+    try:
+        patch(sys.modules[fullname])
+    except Exception as e:  # noqa: BLE001
+        log.warning("fleetscope: framework capture of %s failed: %r", fullname, e)
 
 
 def _wrap_init(cls: Any, attach: Callable[[Any], None]) -> None:

@@ -65,7 +65,7 @@ class Run(StepMachine):
     """
 
     __slots__ = ("info", "name", "world_size", "phase", "__weakref__", "_tx", "_pid", "_lock", "_phases", "_step_cm",
-                 "_scalar_names", "_aborted_at")
+                 "_scalar_names", "_aborted_at", "_raised_in")
 
     def __init__(
         self,
@@ -100,6 +100,7 @@ class Run(StepMachine):
         self._step_cm = Step(self, self.phase)
         self._scalar_names: set[str] = set()  # run.log: the names seen (bounded, agent/scalars.py)
         self._aborted_at: tuple[int, str | None] | None = None  # (step, phase) the last exception aborted
+        self._raised_in: tuple[int, str] | None = None  # (step, phase) an exception left first (step.Phase)
         # A transport with ``expanders`` (transport.Transport) resolves the common step end on its sender
         # thread: end_fast queues the step's raw marks, step_end.expand_step builds its records there
         expanders = getattr(transport, "expanders", None)
@@ -185,6 +186,9 @@ class Run(StepMachine):
             try:
                 cur = self._stack[-1] if self._cur == 5 and self._stack else self._cur
                 name = self._state_names[cur] if 0 <= cur < len(self._state_names) else None
+                raised, self._raised_in = self._raised_in, None
+                if raised is not None and raised[0] == st.index:
+                    name = raised[1]  # a manual `with run.phase(...)` the exception left, closed by now
                 self._aborted_at = (int(st.index), None if name in (None, "other", "comm") else name)
             except Exception:  # noqa: BLE001
                 self._aborted_at = None

@@ -58,6 +58,8 @@ class Phase:
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         run = self._run
         try:
+            if et is not None:
+                self._raised(run)
             if run._fast:
                 stack = run._stack
                 if stack:
@@ -71,6 +73,15 @@ class Phase:
         except Exception as e:  # noqa: BLE001
             run._error("phase", e)
         return None
+
+
+    def _raised(self, run: StepMachine) -> None:
+        """An exception leaves this phase: the innermost phase it left names the failure (Run._abort)."""
+        st = run._step
+        if st is not None:
+            prev = getattr(run, "_raised_in", None)
+            if prev is None or prev[0] != st.index:  # the first (innermost) phase of this step's exception
+                run._raised_in = (st.index, self.name)  # type: ignore[attr-defined]
 
 
 class PhaseTable(dict[str, Phase]):

@@ -183,3 +183,32 @@ _s.signal(_s.SIGTERM, lambda *a: (sys.stdout.write("own handler\\n"), sys.stdout
         assert "KeyError: 'helper thread'" in res.stderr  # threading's own hook still printed it
         assert _finish_status(r) == "finished"
         assert not _failures(r)
+
+
+def test_manual_phase_the_exception_left_names_the_failure() -> None:
+    """Manual mode: ``with run.phase("optimizer")`` has closed by the time the step aborts; the phase
+    the exception left (the innermost) is still the one the failure names."""
+    import fleetscope.agent as fs
+    from agent_testutil import FakeTransport
+
+    run = fs.init("manual-phase-failure", transport=FakeTransport, collectives=False)
+    try:
+        with run.step():
+            with run.phase("forward"):
+                pass
+        try:
+            with run.step():
+                with run.phase("backward"):
+                    with run.phase("optimizer"):
+                        raise ValueError("boom")
+        except ValueError:
+            pass
+        assert run._aborted_at == (1, "optimizer")
+        try:  # the next step's exception outside any phase names none
+            with run.step():
+                raise KeyError("x")
+        except KeyError:
+            pass
+        assert run._aborted_at == (1, None)  # an aborted step does not advance the index
+    finally:
+        run.finish()

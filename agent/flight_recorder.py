@@ -75,7 +75,7 @@ def enable(environ: MutableMapping[str, str] | None = None) -> bool:
     ``TORCH_FR_BUFFER_SIZE`` to DEFAULT_BUFFER unless the job set it or NCCL's older name,
     or ``FLEETSCOPE_FLIGHT_RECORDER=0``. Returns whether a buffer is asked for."""
     env: MutableMapping[str, str] = os.environ if environ is None else environ
-    if env.get("FLEETSCOPE_FLIGHT_RECORDER", "1").strip().lower() in ("0", "false", "no", "off"):
+    if _switched_off(env):
         return False
     for name in (BUFFER_ENV, _NCCL_BUFFER_ENV):
         v = env.get(name)
@@ -83,6 +83,12 @@ def enable(environ: MutableMapping[str, str] | None = None) -> bool:
             return v.strip() not in ("", "0")
     env[BUFFER_ENV] = str(DEFAULT_BUFFER)  # torch ≥ 2.6's name (older NCCL builds read _NCCL_BUFFER_ENV)
     return True
+
+
+def _switched_off(env: Any = None) -> bool:
+    """``FLEETSCOPE_FLIGHT_RECORDER=0``: the agent neither asks for the buffer nor reads it."""
+    v = (os.environ if env is None else env).get("FLEETSCOPE_FLIGHT_RECORDER", "1")
+    return str(v).strip().lower() in ("0", "false", "no", "off")
 
 
 def _dumper() -> Callable[..., bytes] | None:
@@ -363,6 +369,8 @@ def position_collective(run: Any = None) -> dict[str, Any] | None:
     last completed one; the oldest such), else the last one it issued: ``{"op", "dim", "group",
     "seq", "bytes", "since_s", "done"}`` with the group's own sequence number. None without a
     recorder or entries."""
+    if _switched_off():
+        return None
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None  # the recorder outlives destroyed groups: no group now, no position in one
@@ -400,8 +408,7 @@ def install(run: Any, transport: Any, make_event: Callable[..., dict[str, Any]])
     """Count ``run``'s graph collectives on ``transport``'s sender thread: chained after whatever
     ``transport.observe`` already does (health.py), a ``graph_collectives`` event per settled batch of
     steps, made by ``make_event(run, kind, step, data)`` (health.event: a seq off the training thread's). None where the transport has no sender-thread hook or the recorder is switched off."""
-    if not hasattr(transport, "observe") or os.environ.get("FLEETSCOPE_FLIGHT_RECORDER", "1").strip().lower() in (
-            "0", "false", "no", "off"):
+    if not hasattr(transport, "observe") or _switched_off():
         return None
     gc = GraphCollectives(getattr(run, "world_size", None))
     prev = transport.observe

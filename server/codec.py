@@ -7,6 +7,7 @@ one numpy structured array (big-endian) — no per-row Python — in both direct
 from __future__ import annotations
 
 import struct
+import sys
 import threading
 import zlib
 from collections.abc import Sequence
@@ -24,6 +25,8 @@ __all__ = [
     "RAW_COLL_LAYOUT",
     "encode_block",
     "decode_block",
+    "decode_blocks",
+    "encode_blocks",
     "STEP_BLOCK_FIELDS",
     "COLL_BLOCK_FIELDS",
     "FRAG_STEP_FIELDS",
@@ -179,6 +182,63 @@ def encode_block(fields: Sequence[tuple[str, str]], cols: dict[str, np.ndarray],
     if not compress:
         return struct.pack("<BI", _RAW, n) + body
     return struct.pack("<BI", _ZSTD, n) + _compressor().compress(body)
+
+
+def _raw_body(blob: bytes) -> tuple[int, bytes | memoryview]:
+    """(row count, the uncompressed column bytes) of a block."""
+    version, n = struct.unpack_from("<BI", blob)
+    if version == _ZSTD:
+        import zstandard
+
+        return n, zstandard.ZstdDecompressor().decompress(blob[5:], max_output_size=n * 64 + 1024)
+    if version == _RAW:
+        return n, memoryview(blob)[5:]
+    if version == _ZLIB:
+        return n, zlib.decompress(blob[5:])
+    raise ValueError(f"unknown block version {version}")
+
+
+def decode_blocks(fields: Sequence[tuple[str, str]], blobs: Sequence[bytes]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Many blocks decoded straight into one set of columns (float64 / int64, as :func:`decode_block`),
+    and each block's row count: no per-block arrays, no concatenation."""
+    bodies = [_raw_body(b) for b in blobs]
+    counts = np.array([n for n, _ in bodies], dtype=np.int64)
+    total = int(counts.sum())
+    out = {name: np.empty(total, dtype=np.float64 if np.dtype(dt).kind == "f" else np.int64) for name, dt in fields}
+    at = 0
+    for n, raw in bodies:
+        off = 0
+        for name, dt in fields:
+            dtype = np.dtype(dt)
+            size = dtype.itemsize
+            dst = out[name][at:at + n]
+            if off + n * size > len(raw):  # a field appended after this block was written: zeros
+                dst[:] = 0
+                continue
+            planes = np.frombuffer(raw, dtype=np.uint8, count=n * size, offset=off).reshape(size, n)
+            if dtype == dst.dtype and dtype.byteorder in ("<", "=") and sys.byteorder == "little":
+                dst.view(np.uint8).reshape(n, size)[:] = planes.T  # unshuffled in place
+            else:
+                dst[:] = planes.T.copy().view(dtype).reshape(n)
+            off += n * size
+        at += n
+    return out, counts
+
+
+def encode_blocks(fields: Sequence[tuple[str, str]], cols: dict[str, np.ndarray], starts: np.ndarray) -> list[bytes]:
+    """:func:`encode_block` of each row range ``starts[i]:starts[i + 1]`` of ``cols`` (compressed):
+    the same bytes, with each column converted and byte-split once for all ranges."""
+    n_all = int(starts[-1]) if len(starts) else 0
+    planes = []
+    for name, dt in fields:
+        a = np.ascontiguousarray(cols[name][:n_all], dtype=dt)
+        planes.append(a.view(np.uint8).reshape(n_all, a.itemsize).T)  # (itemsize, rows), one view
+    comp = _compressor()
+    out = []
+    for a, b in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+        body = b"".join([p[:, a:b].tobytes() for p in planes])
+        out.append(struct.pack("<BI", _ZSTD, b - a) + comp.compress(body))
+    return out
 
 
 def decode_block(fields: Sequence[tuple[str, str]], blob: bytes) -> dict[str, np.ndarray]:

@@ -29,9 +29,11 @@ from .codec import (
     FRAG_STEP_FIELDS,
     STEP_BLOCK_FIELDS,
     decode_block,
+    decode_blocks,
     encode_block,
+    encode_blocks,
 )
-from .grouped import grouped_median, grouped_medians
+from .grouped import grouped_median, grouped_medians, unique_rows
 from .limits import MAX_COLLECTIVES_PER_RANK_STEP, MAX_PHASE_NAMES_PER_RUN
 from .store import bounds
 from .store import compaction as store
@@ -308,8 +310,8 @@ class Compactor:
             dst["is_old"].append(np.zeros(k, dtype=bool))
             for n, _ in fields:
                 dst[n].append(src[n])
-        S = {n: np.concatenate(v) for n, v in cols.items()}
-        C = {n: np.concatenate(v) for n, v in ccols.items()}
+        S = {n: v[0] if len(v) == 1 else np.concatenate(v) for n, v in cols.items()}  # one part: no copy
+        C = {n: v[0] if len(v) == 1 else np.concatenate(v) for n, v in ccols.items()}
         # hardware FLOPs came later: blocks and fragments written before decode them as 0 (not measured)
         S["hw_flops"] = np.where(S["hw_flops"] > 0, S["hw_flops"], np.nan)
 
@@ -360,13 +362,15 @@ class Compactor:
         steps = gkeys & 0xFFFFFFFF
         floats = np.stack([roll[c] for c in _ROLL_FLOATS], axis=1)
 
+        blocks = encode_blocks(STEP_BLOCK_FIELDS, S, s_starts)
+        coll_blocks = encode_blocks(COLL_BLOCK_FIELDS, C, c_starts)
+
         def step_rows() -> Iterator[tuple[Any, ...]]:
             for g in range(n_groups):
                 a, b = s_starts[g], s_starts[g + 1]
-                ca, cb = c_starts[g], c_starts[g + 1]
-                block = encode_block(STEP_BLOCK_FIELDS, {n: S[n][a:b] for n in names})
+                block = blocks[g]
                 rank_bits = bits_of(S["rank"][a:b]) if b > a else ""
-                coll_block = encode_block(COLL_BLOCK_FIELDS, {n: C[n][ca:cb] for n, _ in COLL_BLOCK_FIELDS}) if cb > ca else None
+                coll_block = coll_blocks[g] if c_starts[g + 1] > c_starts[g] else None
                 fl = [None if x != x else x for x in floats[g].tolist()]
                 yield (
                     int(run_ids[g]), int(steps[g]), int(n_ranks[g]), *fl[:13],
@@ -383,13 +387,7 @@ class Compactor:
             calls = np.maximum(C["calls"][newc], 1)
             per_call = C["bytes"][newc] / calls
             bucket = np.floor(np.log2(np.maximum(per_call, 1))).astype(np.int64)
-            keys = (C["run_id"][newc], C["op"][newc], C["group_size"][newc], bucket, C["dim"][newc])
-            order = np.lexsort(keys[::-1])
-            sk = np.stack([k[order] for k in keys], axis=1)
-            first = np.r_[True, np.any(sk[1:] != sk[:-1], axis=1)]
-            uniq = sk[first]
-            inv = np.empty(len(order), dtype=np.int64)
-            inv[order] = np.cumsum(first) - 1
+            uniq, inv = unique_rows(C["run_id"][newc], C["op"][newc], C["group_size"][newc], bucket, C["dim"][newc])
             m = len(uniq)
             agg = [
                 np.bincount(inv, minlength=m),
@@ -514,52 +512,41 @@ def step_comm_rows(C: dict[str, np.ndarray], cgid: np.ndarray, gkeys: np.ndarray
     rank = np.concatenate([C["rank"], C["rank"][p2p]])
     vals = [np.concatenate([C[c], C[c][p2p]]) for c in ("calls", "bytes", "total_s")]
     vals.append(np.nan_to_num(np.concatenate([C["exposed_s"], C["exposed_s"][p2p]])))
-    order = np.lexsort((rank, dim, gid))
-    gid, dim, rank = gid[order], dim[order], rank[order]
-    vals = [v[order] for v in vals]
-    # per (group, dim, rank) sums
-    new = np.r_[True, (np.diff(gid) != 0) | (np.diff(dim) != 0) | (np.diff(rank) != 0)]
-    starts = np.flatnonzero(new)
-    sums = [np.add.reduceat(v, starts) for v in vals]
-    g1, d1 = gid[starts], dim[starts]
-    # per (group, dim): median over the step's ranks
+    # per (group, dim, rank) sums, in (group, dim, rank) order
+    cells, inv = unique_rows(gid, dim, rank)
+    sums = [np.bincount(inv, weights=v, minlength=len(cells)) for v in vals]
+    g1, d1 = cells[:, 0], cells[:, 1]
+    # per (group, dim): median over the step's ranks, a rank without a call counting 0 — vectorised: the
+    # pairs that share a rank count n go in one zero-filled (pairs, n) matrix, one np.median per count
     new2 = np.r_[True, (np.diff(g1) != 0) | (np.diff(d1) != 0)]
-    s2 = np.r_[np.flatnonzero(new2), len(g1)]
-    out = []
-    for a, b in zip(s2[:-1], s2[1:], strict=True):
-        g = int(g1[a])
-        k = b - a
-        n = max(int(n_ranks[g]), k)
-        meds = []
-        for v in sums:
-            x = v[a:b]
-            if n > k:
-                x = np.concatenate([x, np.zeros(n - k)])
-            meds.append(float(np.median(x)))
-        key = int(gkeys[g])
-        out.append((key >> 32, key & 0xFFFFFFFF, int(d1[a]), meds[0], meds[1], meds[2], meds[3]))
-    return out
+    s2 = np.flatnonzero(new2)
+    k = np.diff(np.r_[s2, len(g1)])
+    g2, d2 = g1[s2], d1[s2]
+    n = np.maximum(n_ranks[g2].astype(np.int64), k)
+    meds = np.empty((len(s2), len(sums)))
+    for width in np.unique(n):
+        sel = np.flatnonzero(n == width)
+        ks = k[sel]
+        out_at = np.repeat(np.cumsum(ks) - ks, ks)
+        pos = np.arange(int(ks.sum())) - out_at  # each row's place among its pair's ranks
+        rows = np.repeat(s2[sel], ks) + pos
+        prow = np.repeat(np.arange(len(sel)), ks)
+        for j, v in enumerate(sums):
+            m = np.zeros((len(sel), int(width)))
+            m[prow, pos] = v[rows]
+            meds[sel, j] = np.median(m, axis=1)
+    keys = gkeys[g2].astype(np.int64)
+    return list(zip((keys >> 32).tolist(), (keys & 0xFFFFFFFF).tolist(), d2.astype(np.int64).tolist(),
+                    *(meds[:, j].tolist() for j in range(meds.shape[1])), strict=True))
 
 
 def _decode_frags(frags: list[tuple[Any, ...]], col: int, fields: tuple[tuple[str, str], ...]) -> dict[str, np.ndarray]:
     """Concatenate one block column of many fragments, with run_id, fragment index and age."""
-    parts: dict[str, list[np.ndarray]] = {n: [] for n in ("run_id", "frag", "age", *(n for n, _ in fields))}
-    for i, f in enumerate(frags):
-        if f[col] is None:
-            continue
-        d = decode_block(fields, f[col])
-        k = len(d["step"])
-        parts["run_id"].append(np.full(k, f[1], dtype=np.int64))
-        parts["frag"].append(np.full(k, i, dtype=np.int64))
-        parts["age"].append(np.full(k, f[2], dtype=np.float64))
-        for n, _ in fields:
-            parts[n].append(d[n])
-    out = {}
-    for n, v in parts.items():
-        out[n] = np.concatenate(v) if v else np.empty(0, dtype=np.float64 if n == "age" else np.int64)
-    for n, dt in fields:
-        if not parts[n]:
-            out[n] = np.empty(0, dtype=np.float64 if dt[1] == "f" else np.int64)
+    idx = [i for i, f in enumerate(frags) if f[col] is not None]
+    out, counts = decode_blocks(fields, [frags[i][col] for i in idx])
+    out["run_id"] = np.repeat(np.array([frags[i][1] for i in idx], dtype=np.int64), counts)
+    out["frag"] = np.repeat(np.array(idx, dtype=np.int64), counts)
+    out["age"] = np.repeat(np.array([frags[i][2] for i in idx], dtype=np.float64), counts)
     return out
 
 

@@ -7,7 +7,7 @@ import warnings
 
 import numpy as np
 
-__all__ = ["grouped_median", "grouped_medians"]
+__all__ = ["grouped_median", "grouped_medians", "unique_rows"]
 
 
 def grouped_median(values: np.ndarray, gid: np.ndarray, n_groups: int) -> np.ndarray:
@@ -37,3 +37,52 @@ def grouped_medians(cols: list[np.ndarray], gid: np.ndarray, counts: np.ndarray)
             warnings.simplefilter("ignore", RuntimeWarning)
             return list(np.nanmedian(stacked, axis=2))
     return [grouped_median(c, gid, n_groups) for c in cols]
+
+
+def _small_space(n: int) -> float:
+    return max(4.0 * n, 65536.0)
+
+
+def _dense(col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct values, each row's index into them) of an int column — counted, not sorted,
+    when its range is small (ids, ranks, codes, sizes)."""
+    col = col.astype(np.int64, copy=False)
+    if len(col) == 0:
+        return col[:0], np.empty(0, dtype=np.int64)
+    lo, hi = int(col.min()), int(col.max())
+    if hi - lo < _small_space(len(col)):
+        present = np.bincount(col - lo, minlength=hi - lo + 1) > 0
+        return np.flatnonzero(present) + lo, (np.cumsum(present) - 1)[col - lo]
+    u, inv = np.unique(col, return_inverse=True)
+    return u, inv.reshape(-1)
+
+
+def unique_rows(*cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(np.stack(cols, 1), axis=0, return_inverse=True)`` for int columns: the distinct
+    rows (sorted) and each row's index into them, by counting where the key space is small (no sort)."""
+    n = len(cols[0])
+    if n == 0:
+        return np.empty((0, len(cols)), dtype=np.int64), np.empty(0, dtype=np.int64)
+    dense = [_dense(c) for c in cols]
+    space = float(np.prod([float(len(u)) for u, _ in dense]))
+    key = np.zeros(n, dtype=np.int64)
+    for u, i in dense:
+        key = key * len(u) + i
+    if space <= _small_space(n):
+        present = np.bincount(key, minlength=int(space)) > 0
+        uk = np.flatnonzero(present)
+        inv = (np.cumsum(present) - 1)[key]
+    elif space < 2.0**62:
+        uk, inv = np.unique(key, return_inverse=True)
+        inv = inv.reshape(-1)
+    else:  # pragma: no cover - more distinct combinations than int64 keys: sort the rows themselves
+        stacked = np.stack([c.astype(np.int64) for c in cols], axis=1)
+        rows, inv = np.unique(stacked, axis=0, return_inverse=True)
+        return rows, inv.reshape(-1)
+    rows = np.empty((len(uk), len(cols)), dtype=np.int64)
+    rem = uk
+    for j in range(len(cols) - 1, -1, -1):
+        u, _ = dense[j]
+        rows[:, j] = u[rem % len(u)]
+        rem = rem // len(u)
+    return rows, inv

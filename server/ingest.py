@@ -246,7 +246,7 @@ def dim_column(b: ValidBatch) -> tuple[np.ndarray | None, dict[int, str]]:
         return None, {}
     values = cs["dim"].tolist()
     codes = {v: (dim_code(v) if v is not None else 0) for v in set(values)}
-    arr = np.fromiter((codes[v] for v in values), dtype=np.int32, count=len(values))
+    arr = np.fromiter(map(codes.__getitem__, values), dtype=np.int32, count=len(values))
     return arr, {c: v for v, c in codes.items() if v is not None}
 
 

@@ -147,6 +147,12 @@ def _column(section: str, f: Field, values: Any, n: int, index_map: list[int] | 
         if f.name == "op":
             get = OP_CODE.get
             try:
+                codes = np.fromiter(map(OP_CODE.__getitem__, values), dtype=np.int16, count=len(values))
+            except (KeyError, TypeError):  # an unknown op or an unhashable value (list, dict): find which
+                codes = None
+            if codes is not None:
+                return codes
+            try:
                 codes = np.array([get(v, -1) for v in values], dtype=np.int16)
             except TypeError:  # an unhashable value (list, dict)
                 codes = np.array([get(v, -1) if isinstance(v, str) else -1 for v in values], dtype=np.int16)
@@ -159,16 +165,20 @@ def _column(section: str, f: Field, values: Any, n: int, index_map: list[int] | 
                 )
             return codes
         optional_null = not f.required and f.name == "dim"  # null: the dimension is not known
-        bad = next((i for i, v in enumerate(values) if not isinstance(v, str) and not (optional_null and v is None)), None)
-        if bad is not None:
+        if not set(map(type, values)) <= ({str, type(None)} if optional_null else {str}):
+            bad = next(i for i, v in enumerate(values) if not isinstance(v, str) and not (optional_null and v is None))
             raise BatchError(_loc(section, bad, f.name, index_map), "must be a string", got=values[bad])
-        for i, v in enumerate(values):
+        failed: dict[str, str] = {}
+        for v in set(values):  # a column repeats a few names: each distinct one is checked once
             if v is None:
                 continue
             try:
                 check_text(v, f.name, max_len=64)
             except UnsafeValue as e:
-                raise BatchError(_loc(section, i, f.name, index_map), e.message, got=v) from None
+                failed[v] = e.message
+        if failed:
+            i = min(values.index(v) for v in failed)  # the first bad record, as a scan would find it
+            raise BatchError(_loc(section, i, f.name, index_map), failed[values[i]], got=values[i])
         return np.array(values, dtype=object)
     kinds = set(map(type, values))
     if not kinds <= _NUMBER_TYPES:  # strict: no "1.0", true or [1.0] taken for numbers

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..grouped import grouped_medians
+from ..grouped import grouped_medians, unique_rows
 
 __all__ = [
     "RollupSink",
@@ -158,35 +158,8 @@ def _contribution(S: dict[str, np.ndarray], gid: np.ndarray, n_groups: int, sel:
 
 
 def _unique_rows(*cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """np.unique(stack(cols), axis=0, return_inverse=True) for non-negative ints, via one int64 key."""
-    if len(cols[0]):
-        bases = [int(c.max()) + 1 for c in cols]
-        if float(np.prod([float(b) for b in bases])) < 2.0**62:  # mixed-radix key directly: one sort
-            key = np.zeros(len(cols[0]), dtype=np.int64)
-            for c, b in zip(cols, bases, strict=True):
-                key = key * b + c.astype(np.int64)
-            uk, inv = np.unique(key, return_inverse=True)
-            rows = np.empty((len(uk), len(cols)), dtype=np.int64)
-            rem = uk.copy()
-            for j in range(len(cols) - 1, -1, -1):
-                rows[:, j] = rem % bases[j]
-                rem //= bases[j]
-            return rows, inv.reshape(-1)
-    dense = []
-    for c in cols:
-        u, i = np.unique(c, return_inverse=True)
-        dense.append((u, i.reshape(-1).astype(np.int64)))
-    key = np.zeros(len(cols[0]), dtype=np.int64)
-    for u, i in dense:
-        key = key * len(u) + i
-    uk, inv = np.unique(key, return_inverse=True)
-    rows = np.empty((len(uk), len(cols)), dtype=np.int64)
-    rem = uk.copy()
-    for j in range(len(cols) - 1, -1, -1):
-        u, _ = dense[j]
-        rows[:, j] = u[rem % len(u)]
-        rem //= len(u)
-    return rows, inv.reshape(-1)
+    """np.unique(stack(cols), axis=0, return_inverse=True) for int columns (``grouped.unique_rows``)."""
+    return unique_rows(*cols)
 
 
 def _lateness(C: dict[str, np.ndarray], cgid: np.ndarray, sel: np.ndarray) -> dict[str, np.ndarray]:
@@ -201,12 +174,16 @@ def _lateness(C: dict[str, np.ndarray], cgid: np.ndarray, sel: np.ndarray) -> di
     n_per = np.bincount(inv, minlength=len(uk))
     tmin = np.full(len(uk), np.inf)
     np.minimum.at(tmin, inv, ts)
+    tmax = np.full(len(uk), -np.inf)
+    np.maximum.at(tmax, inv, ts)
     late = ts - tmin[inv]
     multi = n_per[inv] > 1
-    order = np.lexsort((-ts, inv))
-    first = np.r_[True, inv[order][1:] != inv[order][:-1]]
+    # the last arrival of each (step, seq): its latest rank (the first such row on a tie)
+    cand = np.flatnonzero(ts == tmax[inv])
+    first_at = np.full(len(uk), len(ts), dtype=np.int64)
+    np.minimum.at(first_at, inv[cand], cand)
     last = np.zeros(len(ts), dtype=np.int64)
-    last[order[first]] = 1
+    last[first_at[first_at < len(ts)]] = 1
     last &= multi.astype(np.int64)
     if not multi.any():
         return {}

@@ -206,11 +206,15 @@ def write_steps(cur: Any, rows: Iterable[tuple[Any, ...]]) -> None:
 def upsert_step_comm(cur: Any, rows: Sequence[tuple[int, int, int, float, float, float, float]]) -> None:
     """Set (run_id, step, dim, calls, bytes, total_s, exposed_s) in ``step_comm`` (computed over all
     of the step's rows, so a recompacted step replaces its values)."""
-    cur.executemany(
-        "INSERT INTO step_comm (run_id, step, dim, calls, bytes, total_s, exposed_s) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+    if not rows:
+        return
+    cols = [list(c) for c in zip(*rows, strict=True)]  # one statement over arrays, not one per row
+    cur.execute(
+        "INSERT INTO step_comm (run_id, step, dim, calls, bytes, total_s, exposed_s) "
+        "SELECT * FROM unnest(%s::int[], %s::int[], %s::int[], %s::float8[], %s::float8[], %s::float8[], %s::float8[]) "
         "ON CONFLICT (run_id, step, dim) DO UPDATE SET calls = excluded.calls, bytes = excluded.bytes, "
         "total_s = excluded.total_s, exposed_s = excluded.exposed_s",
-        rows,
+        cols,
     )
 
 

@@ -33,7 +33,7 @@ from .codec import (
     encode_block,
     encode_blocks,
 )
-from .grouped import grouped_median, grouped_medians, unique_rows
+from .grouped import grouped_argmax, grouped_median, grouped_medians, unique_rows
 from .limits import MAX_COLLECTIVES_PER_RANK_STEP, MAX_PHASE_NAMES_PER_RUN
 from .store import bounds
 from .store import compaction as store
@@ -348,10 +348,9 @@ class Compactor:
         ts_min = np.full(n_groups, np.inf)
         np.minimum.at(ts_min, gid[ts_ok], S["ts"][ts_ok])
         roll["ts"] = np.where(np.isinf(ts_min), np.nan, ts_min)
-        order = np.lexsort((np.nan_to_num(work, nan=-np.inf), gid))
-        last = np.r_[np.flatnonzero(np.diff(gid[order])), len(order) - 1] if len(order) else np.empty(0, dtype=np.int64)
+        slowest = grouped_argmax(np.nan_to_num(work, nan=-np.inf), gid, last=True)
         slow = np.full(n_groups, -1, dtype=np.int64)
-        slow[gid[order][last]] = S["rank"][order][last]
+        slow[gid[slowest]] = S["rank"][slowest]
         neg = np.bincount(gid, weights=(S["flags"] & 1) > 0, minlength=n_groups).astype(np.int64)
         n_coll = np.bincount(cgid, minlength=n_groups)
 

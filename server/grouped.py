@@ -7,7 +7,7 @@ import warnings
 
 import numpy as np
 
-__all__ = ["grouped_median", "grouped_medians", "unique_rows"]
+__all__ = ["grouped_median", "grouped_medians", "unique_rows", "grouped_argmax"]
 
 
 def grouped_median(values: np.ndarray, gid: np.ndarray, n_groups: int) -> np.ndarray:
@@ -50,9 +50,16 @@ def _dense(col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if len(col) == 0:
         return col[:0], np.empty(0, dtype=np.int64)
     lo, hi = int(col.min()), int(col.max())
+    if lo == hi:  # one value (the run of a partition's pass, a world size)
+        return np.array([lo], dtype=np.int64), np.zeros(len(col), dtype=np.int64)
     if hi - lo < _small_space(len(col)):
         present = np.bincount(col - lo, minlength=hi - lo + 1) > 0
         return np.flatnonzero(present) + lo, (np.cumsum(present) - 1)[col - lo]
+    values = getattr(np, "unique_values", None)  # hashed, O(n) (numpy >= 2)
+    if values is not None:
+        u = np.sort(values(col))
+        if len(u) <= 4096:  # few distinct values over a wide range (hashed codes): look each row up
+            return u, np.searchsorted(u, col)
     u, inv = np.unique(col, return_inverse=True)
     return u, inv.reshape(-1)
 
@@ -86,3 +93,26 @@ def unique_rows(*cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         rows[:, j] = u[rem % len(u)]
         rem = rem // len(u)
     return rows, inv
+
+
+def grouped_argmax(values: np.ndarray, gid: np.ndarray, *, last: bool = False) -> np.ndarray:
+    """Row index of each group's largest value (no NaN in ``values``), groups in ascending id order;
+    ties go to the first row (``last``: the last row). Rows sorted by ``gid`` in groups of one size
+    (every rank reported) are read as a matrix; otherwise one sort."""
+    n = len(values)
+    if n == 0:
+        return np.empty(0, dtype=np.int64)
+    starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+    sizes = np.diff(np.r_[starts, n])
+    if (sizes == sizes[0]).all() and (len(starts) == 1 or (gid[starts[1:]] > gid[starts[:-1]]).all()):
+        k = int(sizes[0])
+        m = values.reshape(len(starts), k)
+        pos = k - 1 - np.argmax(m[:, ::-1], axis=1) if last else np.argmax(m, axis=1)
+        return starts + pos
+    if last:
+        order = np.lexsort((values, gid))
+        ends = np.r_[np.flatnonzero(np.diff(gid[order])), n - 1]
+        return order[ends]
+    order = np.lexsort((-values, gid))
+    firsts = np.flatnonzero(np.r_[True, gid[order][1:] != gid[order][:-1]])
+    return order[firsts]

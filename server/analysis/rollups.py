@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..grouped import grouped_medians, unique_rows
+from ..grouped import grouped_argmax, grouped_medians, unique_rows
 
 __all__ = [
     "RollupSink",
@@ -94,8 +94,7 @@ def work_ratio_stats(S: dict[str, np.ndarray], gid: np.ndarray, n_groups: int) -
 
     Rows must be sorted by ``gid`` (the compactor sorts them so)."""
     work = S["step_s"] - _nan0(S["comm_exposed_s"])
-    ug, g = np.unique(gid, return_inverse=True)
-    g = g.reshape(-1)
+    ug, g = unique_rows(gid)
     counts = np.bincount(g, minlength=len(ug))
     med, md, mc, mo = grouped_medians([work, S["data_s"], S["compute_s"], S["other_s"]], g, counts)
     out: dict[str, np.ndarray] = {"work": work, "med": med}
@@ -127,9 +126,7 @@ def _contribution(S: dict[str, np.ndarray], gid: np.ndarray, n_groups: int, sel:
     work = st["work"][ok]
     excess = st["excess"][ok]
     # the slowest rank of each step carries that step's "max - median" (fleet time lost waiting for it)
-    order = np.lexsort((-work, gg))
-    first = np.r_[True, gg[order][1:] != gg[order][:-1]]
-    slow_rows = order[first]
+    slow_rows = grouped_argmax(work, gg)
     lost = np.zeros(len(r))
     lost[slow_rows] = excess[slow_rows]
     slowest = np.zeros(len(r), dtype=np.int64)

@@ -116,3 +116,22 @@ def test_step_comm_rows_matches_per_group_medians():
         want = _naive_step_comm(C, a[:, 0], gkeys, n_ranks)
         assert [r[:3] for r in got] == [r[:3] for r in want]
         np.testing.assert_allclose(np.array([r[3:] for r in got]), np.array([r[3:] for r in want]), rtol=1e-12)
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+def test_grouped_argmax_matches_a_sort(uniform):
+    from fleetscope.server.grouped import grouped_argmax
+
+    rng = np.random.default_rng(4)
+    for _ in range(50):
+        sizes = np.full(int(rng.integers(1, 9)), int(rng.integers(1, 6))) if uniform else rng.integers(1, 6, int(rng.integers(1, 9)))
+        ids = np.sort(rng.choice(100, len(sizes), replace=False))
+        gid = np.repeat(ids, sizes)
+        v = rng.integers(0, 3, len(gid)).astype(float)  # many ties
+        for last in (False, True):
+            want = []
+            for g in ids:
+                rows = np.flatnonzero(gid == g)
+                best = rows[v[rows] == v[rows].max()]
+                want.append(best[-1] if last else best[0])
+            assert grouped_argmax(v, gid, last=last).tolist() == want

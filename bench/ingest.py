@@ -3,10 +3,13 @@ side by side with raw psycopg binary COPY of the same rows into the same tables;
 rank-step after compaction, side by side with a one-row-per-rank-step table with a primary key.
 
     python bench/ingest.py [--rank-steps 400000] [--ranks 256] [--senders 3] [--runs 1]
-                           [--compaction-workers 0]
+                           [--compaction-workers 0] [--before REV]
 
 ``--runs K`` splits the rank-steps over K runs (compaction is partitioned by run: one run is folded
 by one compactor at a time); ``--compaction-workers N`` runs the server with N compaction processes.
+``--before REV`` first measures the server of an older commit (laid out from ``git archive`` in a temp
+dir, served with that code on PYTHONPATH), then this checkout's, each on its own embedded Postgres
+with its own COPY reference, in the same invocation; the last lines give after / before.
 
 Prints `name: value unit` lines last (docs/benchmarks.md). The server runs as its own process
 (`fleetscope serve --database-url`), as in production; batches are encoded before timing starts.
@@ -110,6 +113,20 @@ def raw_copy(url: str, run_id: int, rows: list[tuple], colls: list[tuple]) -> fl
     return time.perf_counter() - t0
 
 
+def old_build(rev: str, into: Path) -> Path:
+    """``rev``'s code laid out as the installed package (``fleetscope`` with its ``server``, ``agent``,
+    ``dashboard`` and ``migrations`` subpackages) under ``into``; returns the PYTHONPATH entry."""
+    src = into / "src"
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    pkg = src / "fleetscope"
+    for sub in ("server", "agent", "dashboard", "migrations"):
+        if (src / sub).is_dir():
+            (pkg / sub).symlink_to(src / sub, target_is_directory=True)
+    return src
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank-steps", type=int, default=400_000)
@@ -119,7 +136,27 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=18431)
     ap.add_argument("--runs", type=int, default=1, help="split the rank-steps over this many runs")
     ap.add_argument("--compaction-workers", type=int, default=0)
+    ap.add_argument("--before", metavar="REV", help="also measure this older commit's server first, in the same run")
     args = ap.parse_args()
+    builds: list[tuple[str, str | None]] = [("after" if args.before else "", None)]
+    if args.before:
+        top = Path(tempfile.mkdtemp(prefix="fsb-old-", dir="/tmp"))
+        atexit.register(shutil.rmtree, top, True)
+        builds.insert(0, (f"before ({args.before})", str(old_build(args.before, top))))
+    results = {}
+    for label, pythonpath in builds:
+        if label:
+            print(f"--- {label}", flush=True)
+        results[label] = measure(args, pythonpath)
+    if args.before:
+        (lb, b), (la, a) = list(results.items())
+        print(f"sustained_after_over_before: {a['sustained'] / b['sustained']:.2f} x "
+              f"({a['sustained']:,.0f} vs {b['sustained']:,.0f} rank-steps/s)")
+        print(f"copy_ratio_before_after: {b['ratio']:.2f} x -> {a['ratio']:.2f} x")
+
+
+def measure(args: argparse.Namespace, pythonpath: str | None) -> dict[str, float]:
+    """One build's figures (``pythonpath``: serve that code instead of this checkout's)."""
     steps = max(1, args.rank_steps // args.ranks)
     n = steps * args.ranks
 
@@ -164,10 +201,12 @@ def main() -> None:
         batches = [b[i] for i in range(max(map(len, by_run))) for b in by_run if i < len(b)]  # runs interleaved
         wire_bytes = sum(len(b) for b, _ in batches)
         env = {**os.environ, "FLEETSCOPE_COMPACT_GRACE_S": "2", "FLEETSCOPE_COMPACT_INTERVAL_S": "0.5"}
+        if pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join([pythonpath, *filter(None, [os.environ.get("PYTHONPATH")])])
         server = subprocess.Popen(
             [sys.executable, "-m", "fleetscope.cli", "serve", "--database-url", url, "--port", str(args.port),
              "--compaction-workers", str(args.compaction_workers)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=tmp,
         )
         base = f"http://127.0.0.1:{args.port}"
         deadline = time.monotonic() + 60
@@ -255,6 +294,7 @@ def main() -> None:
         print(f"bytes_per_rank_step: {(total - coll_bytes) / n:.1f} B (steps table + toast + index + rollups, collectives excluded)")
         print(f"bytes_per_rank_step_with_collectives: {total / n:.1f} B (incl. 4 collective records per rank-step)")
         print(f"reference_bytes_per_rank_step: {ref / n:.1f} B (one row per rank-step with primary key)")
+        return {"sustained": n / t_done, "ratio": n / t_done / copy_rate}
     finally:
         if server is not None:
             server.terminate()

@@ -260,14 +260,19 @@ class Compactor:
         # rewrite what is not ready as new fragments (same arrival time), drop the consumed ones
         left_s, left_c = ~ready[g_s], ~ready[g_c]
         rows = []
-        for i in np.union1d(S["frag"][left_s], C["frag"][left_c]).astype(np.int64):
-            ms, mc = left_s & (S["frag"] == i), left_c & (C["frag"] == i)
-            f = frags[int(i)]
-            steps = np.concatenate([S["step"][ms], C["step"][mc]])
+        # rows are in fragment order (decoded one fragment after another): each fragment is a slice
+        frag_ids = np.union1d(S["frag"][left_s], C["frag"][left_c]).astype(np.int64)
+        s_lo, s_hi = np.searchsorted(S["frag"], frag_ids, "left"), np.searchsorted(S["frag"], frag_ids, "right")
+        c_lo, c_hi = np.searchsorted(C["frag"], frag_ids, "left"), np.searchsorted(C["frag"], frag_ids, "right")
+        for j, i in enumerate(frag_ids.tolist()):
+            sa, sb, ca, cb = int(s_lo[j]), int(s_hi[j]), int(c_lo[j]), int(c_hi[j])
+            ms, mc = left_s[sa:sb], left_c[ca:cb]
+            f = frags[i]
+            steps = np.concatenate([S["step"][sa:sb][ms], C["step"][ca:cb][mc]])
             rows.append((
                 f[1], f[3], int(ms.sum()), int(mc.sum()), int(steps.min()), int(steps.max()),
-                encode_block(FRAG_STEP_FIELDS, {k: S[k][ms] for k, _ in FRAG_STEP_FIELDS}, compress=True) if ms.any() else None,
-                encode_block(FRAG_COLL_FIELDS, {k: C[k][mc] for k, _ in FRAG_COLL_FIELDS}, compress=True) if mc.any() else None,
+                encode_block(FRAG_STEP_FIELDS, {k: S[k][sa:sb][ms] for k, _ in FRAG_STEP_FIELDS}, compress=True) if ms.any() else None,
+                encode_block(FRAG_COLL_FIELDS, {k: C[k][ca:cb][mc] for k, _ in FRAG_COLL_FIELDS}, compress=True) if mc.any() else None,
             ))  # fmt: skip
         store.delete_fragments(cur, [f[0] for f in frags])
         store.insert_fragments(cur, rows)

@@ -130,3 +130,45 @@ def test_compactor_rollups_equal_numpy_over_the_raw_rows(engine: Any) -> None:
         assert work_max == pytest.approx(work.max(), rel=1e-6)
         assert slowest == 5  # the straggler does the most work
         assert tokens == pytest.approx(arr["tokens"][m].sum())
+
+
+def test_per_rank_batches_fold_when_every_rank_reported_and_the_rest_waits_whole(engine: Any) -> None:
+    """Agents send one rank's steps per batch, so a step's ranks sit in many fragments: a pass folds
+    the steps every rank reported and rewrites each fragment's other rows as a fragment of their
+    own (nothing lost, nothing folded twice); the late rank's rows complete them in a later pass."""
+    from fleetscope.server.ingest import IngestService
+
+    from fleetscope.client import columnar
+    from fleetscope.wire import COLLECTIVE_FIELDS, RANK_STEP_FIELDS
+
+    run = register_run(engine, RunRegistration(name="per-rank", world_size=4))
+    ing = IngestService(engine)
+    names = [f.name for f in RANK_STEP_FIELDS]
+
+    def send(rank: int, steps: range) -> None:
+        rows = [tuple({"rank": rank, "step": s, "step_s": 1.0 + rank / 10, "ts": 1.7e9 + s}.get(n) for n in names)
+                for s in steps]
+        colls = [(rank, s, 0, "all_reduce", 4, 1 << 20, 1, 0.2, 0.1, 1.7e9 + s, "dp") for s in steps]
+        ing.ingest({"run_id": run["id"], "rank_steps": columnar(rows, RANK_STEP_FIELDS),
+                    "collectives": columnar(colls, COLLECTIVE_FIELDS)})
+
+    for rank in range(3):
+        send(rank, range(4))
+    send(3, range(2))  # the last rank is behind by two steps
+    comp = Compactor(engine, grace_s=3600)
+    first = comp.run_once()
+    assert (first.steps, first.rank_steps, first.collectives) == (2, 8, 8)
+    with engine.connect() as c:
+        left = c.execute(text("SELECT n_rank_steps, n_collectives, step_min, step_max FROM ingest_fragments "
+                              "ORDER BY id")).fetchall()
+    assert sorted(tuple(r) for r in left) == [(2, 2, 2, 3)] * 3  # ranks 0-2's steps 2-3, one fragment each
+    send(3, range(2, 4))
+    second = comp.run_once()
+    assert (second.steps, second.rank_steps, second.collectives) == (2, 8, 8)
+    with engine.connect() as c:
+        assert c.execute(text("SELECT count(*) FROM ingest_fragments")).scalar() == 0
+        steps = c.execute(text("SELECT step, n_ranks, step_s_max, coll_records FROM steps ORDER BY step")).fetchall()
+        counters = c.execute(text("SELECT rank_steps, collective_records, steps FROM runs WHERE id = :r"),
+                             {"r": run["id"]}).one()
+    assert [tuple(s) for s in steps] == [(s, 4, pytest.approx(1.3), 4) for s in range(4)]
+    assert tuple(counters) == (16, 16, 4)

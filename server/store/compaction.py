@@ -101,6 +101,7 @@ def read_fragments(cur: Any, limit: int, part: int | None = None) -> list[tuple[
         "SELECT id, run_id, extract(epoch FROM now() - received_at)::float8, received_at, "
         f"n_rank_steps + n_collectives, rank_steps, collectives FROM ingest_fragments {where}ORDER BY id LIMIT %s",
         args,
+        binary=True,  # the blocks come as bytes, not hex text to decode
     ).fetchall()
 
 
@@ -116,6 +117,7 @@ def existing_blocks(cur: Any, run_ids: Sequence[int], steps: Sequence[int]) -> l
         "SELECT s.run_id, s.step, s.block, s.coll_block FROM steps s JOIN unnest(%s::int[], %s::int[]) "
         "AS k(run_id, step) ON s.run_id = k.run_id AND s.step = k.step",
         (list(run_ids), list(steps)),
+        binary=True,
     ).fetchall()
 
 

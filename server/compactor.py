@@ -382,7 +382,7 @@ class Compactor:
                     int(neg[g]), int(n_coll[g]), rank_bits, block, coll_block, fl[-1],
                 )  # fmt: skip
 
-        store.write_steps(cur, step_rows())
+        store.write_steps(cur, step_rows(), fresh=not existing)
         res.steps = n_groups
 
         # per-run collective rollup from the NEW collective rows only (additive)

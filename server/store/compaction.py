@@ -5,6 +5,7 @@ what is ready and computes every rollup; these functions only move rows."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -188,9 +189,44 @@ def upsert_rank_modalities(cur: Any, rows: Sequence[tuple[int, int, str, int, in
     )
 
 
-def write_steps(cur: Any, rows: Iterable[tuple[Any, ...]]) -> None:
-    """Upsert ``steps`` rows (``STEP_COLUMNS`` order; ``ranks`` as a bit string) via a binary COPY."""
+def _step_copy_row(row: tuple[Any, ...]) -> bytes:
+    """One ``steps`` row in PostgreSQL's binary COPY format (``_STEP_COPY_TYPES``; ``ranks`` as
+    ``varbit``: its bit count, then the bits packed most significant first)."""
+    out = [_N_STEP_COLS]
+    for v, t in zip(row, _STEP_COPY_TYPES, strict=True):
+        if v is None:
+            out.append(_NULL)
+        elif t == "int4":
+            out.append(_INT4.pack(4, v))
+        elif t == "float8":
+            out.append(_FLOAT8.pack(8, v))
+        elif t == "bytea":
+            out.append(_LEN.pack(len(v)) + v)
+        else:  # the ranks bit string
+            packed = np.packbits(np.frombuffer(v.encode(), dtype=np.uint8) - 48).tobytes()
+            out.append(_LEN.pack(4 + len(packed)) + _LEN.pack(len(v)) + packed)
+    return b"".join(out)
+
+
+_LEN, _INT4, _FLOAT8 = struct.Struct(">i"), struct.Struct(">ii"), struct.Struct(">id")
+_NULL = _LEN.pack(-1)
+_N_STEP_COLS = struct.pack(">h", len(STEP_COLUMNS))
+
+
+def write_steps(cur: Any, rows: Iterable[tuple[Any, ...]], *, fresh: bool = False) -> None:
+    """Upsert ``steps`` rows (``STEP_COLUMNS`` order; ``ranks`` as a bit string) via a binary COPY.
+    ``fresh``: none of the rows' steps has a row yet (the compactor read that under the run's
+    partition lock), so they are copied straight into ``steps`` — no staging table, no upsert. Were
+    one there after all, the COPY fails, the pass rolls back, and the next pass finds the row and
+    upserts."""
     cols = ", ".join(STEP_COLUMNS)
+    if fresh:
+        with cur.copy(f"COPY steps ({cols}) FROM STDIN (FORMAT BINARY)") as cp:
+            cp.write(_PG_COPY_HEADER)
+            for row in rows:
+                cp.write(_step_copy_row(row))
+            cp.write(b"\xff\xff")
+        return
     cur.execute(
         f"CREATE TEMP TABLE _new_steps ON COMMIT DROP AS SELECT {cols.replace(', ranks,', ', ranks::text AS ranks,')} "
         "FROM steps LIMIT 0"

@@ -172,3 +172,41 @@ def test_per_rank_batches_fold_when_every_rank_reported_and_the_rest_waits_whole
                              {"r": run["id"]}).one()
     assert [tuple(s) for s in steps] == [(s, 4, pytest.approx(1.3), 4) for s in range(4)]
     assert tuple(counters) == (16, 16, 4)
+
+
+@pytest.mark.parametrize("bits", ["", "1", "10110011", "101100111", "0" * 63 + "1" * 66])
+def test_steps_copied_fresh_equal_steps_upserted(engine: Any, bits: str) -> None:
+    """The compactor's two ways to write ``steps`` rows (straight binary COPY for steps with no row
+    yet; staging table + upsert otherwise) store the same values, the ``ranks`` bit string included."""
+    from fleetscope.server.db import raw_connection
+    from fleetscope.server.store import compaction as store
+
+    run = register_run(engine, RunRegistration(name=f"w{len(bits)}", world_size=max(len(bits), 1)))
+
+    def row(step: int) -> tuple[Any, ...]:
+        vals: list[Any] = []
+        for name, t in zip(store.STEP_COLUMNS, store._STEP_COPY_TYPES, strict=True):
+            if name == "run_id":
+                vals.append(run["id"])
+            elif name == "step":
+                vals.append(step)
+            elif name == "ranks":
+                vals.append(bits)
+            elif name == "coll_block":
+                vals.append(None)
+            elif t == "bytea":
+                vals.append(bytes(range(7)) * 3)
+            elif t == "int4":
+                vals.append(len(name))
+            else:
+                vals.append(None if name == "tokens" else 1.0 / len(name))
+        return tuple(vals)
+
+    with raw_connection(engine) as conn, conn.cursor() as cur:
+        store.write_steps(cur, [row(1)], fresh=True)
+        store.write_steps(cur, [row(2)])
+    with engine.connect() as c:
+        got = c.execute(text(f"SELECT {', '.join(store.STEP_COLUMNS[2:])}, ranks::text FROM steps "
+                             "WHERE run_id = :r ORDER BY step"), {"r": run["id"]}).fetchall()
+    assert len(got) == 2 and tuple(got[0]) == tuple(got[1])
+    assert got[0][-1] == bits

@@ -80,8 +80,11 @@ def reason(e: BaseException, limit: int = 160) -> str:
 _COMPONENTS = ("data_s", "compute_s", "comm_exposed_s", "other_s")
 _GRID = "#E6E8EB"
 _MUTED = "#5b6370"
+#: ticklabeloverflow "allow": plotly.js's default for numeric axes ("hide past div") measures every tick label
+#: against every other after each draw (quadratic getBoundingClientRect calls, ~0.2 s of a run page's
+#: rendering); automargin already keeps the labels inside the chart
 _AXIS = {"gridcolor": _GRID, "zeroline": False, "linecolor": "#c9ced6", "ticks": "outside", "ticklen": 3,
-         "automargin": True}
+         "automargin": True, "ticklabeloverflow": "allow"}
 
 
 def _arr(a: Any) -> Any:
@@ -124,7 +127,10 @@ def _layout(title: str, *, height: int = 300, legend: bool = True, note: str | N
     lay: dict[str, Any] = {
         "title": head,
         "height": height,
-        "margin": {"l": 56, "r": 16, "t": 66 if note else 40, "b": 40},
+        # margins that already hold the tick labels and axis titles: plotly.js's automargin then finds nothing
+        # to push and draws once (a margin it has to grow makes it draw the chart again)
+        "margin": {"l": 56, "r": 56 if any(isinstance(v, dict) and v.get("side") == "right" for v in extra.values()) else 16,
+                   "t": 66 if note else 40, "b": 46},
         "font": {"family": FONT, "size": 11, "color": "#1f2328"},
         "paper_bgcolor": "white",
         "plot_bgcolor": "white",
@@ -215,7 +221,7 @@ def heatmap_figure(hm: dict[str, Any] | None) -> Fig:
     y = np.asarray(hm["rank_lo"])
     where = "step %{x}" + (f" (+{sf - 1})" if sf > 1 else "") + " · rank %{y}" + (f" (+{rf - 1})" if rf > 1 else "")
     trace = {"type": "heatmap", "z": _f(z, mult), "x": _arr(np.asarray(hm["step_lo"])), "y": _arr(y),
-             "colorscale": "Viridis", "colorbar": {"title": {"text": unit, "side": "right"}, "thickness": 10},
+             "colorscale": "Viridis", "colorbar": {"title": {"text": unit, "side": "right"}, "thickness": 10, "ticklabeloverflow": "allow"},
              "hovertemplate": f"{where}<br>{plain(hm['how'], template=True) + ' ' if (rf > 1 or sf > 1) else ''}%{{z:.3g}} {unit}"
                               "<extra></extra>",
              "hoverongaps": False}
@@ -229,6 +235,7 @@ def heatmap_figure(hm: dict[str, Any] | None) -> Fig:
     lay = _layout(f"Per-rank {hm['label']}", height=max(260, min(520, 120 + 3 * len(y))), legend=False, note=note,
                   hovermode="closest", x=_axis(title="step", showgrid=False),
                   y=_axis(title="rank" + (f" (groups of {rf})" if rf > 1 else ""), autorange="reversed", showgrid=False))
+    lay["margin"]["r"] = 96  # the colour bar
     return {"data": [trace], "layout": lay}
 
 
@@ -749,8 +756,9 @@ def overlap_figure(view: dict[str, Any] | None) -> Fig:
             "no backward measured in this step")
     if tail is not None:
         note += f"; {tail * mult:.3g} {unit} waited for after backward"
-    return {"data": data, "layout": _layout(
-        f"Step {v.get('step')}, rank {v.get('rank')}: communication against backward",
-        height=max(220, 90 + 22 * len(colls)), note=note, hovermode="closest", barmode="overlay",
-        x=_axis(title=f"time from the step's start ({unit})"),
-        y=_axis(type="category", autorange="reversed", automargin=True), shapes=shapes, annotations=ann)}
+    lay = _layout(f"Step {v.get('step')}, rank {v.get('rank')}: communication against backward",
+                  height=max(220, 90 + 22 * len(colls)), note=note, hovermode="closest", barmode="overlay",
+                  x=_axis(title=f"time from the step's start ({unit})"),
+                  y=_axis(type="category", autorange="reversed", automargin=True), shapes=shapes, annotations=ann)
+    lay["margin"]["l"] = min(320, 20 + 5 * max(len(x) for x in labels))  # about the labels' width: drawn once
+    return {"data": data, "layout": lay}

@@ -6,7 +6,8 @@ straggler when that median is above the threshold (1.05): *persistent* over the 
 when only some windows of ``WINDOW_STEPS`` steps have it above. A node whose ranks are all
 stragglers is named as the cause. Each straggler carries the component that made it late (its
 excess over the step median in data, compute, other), its lateness at collectives where start
-timestamps exist, and the fleet time lost waiting for it.
+timestamps exist, the fleet time lost waiting for it, and where it was slow: its flagged windows as
+merged step ranges (``slow_ranges``).
 
 Source: the per-(run, rank) rollups kept at compaction (``rollups.py``, :func:`from_rollups`); runs
 compacted without them (older data, a compactor without the fold) are analysed from the step blocks
@@ -24,7 +25,7 @@ from .figures import RunFigures
 from .rollups import HIST_BW, HIST_LO, HIST_NB, THRESHOLD, WINDOW_STEPS
 
 __all__ = ["straggler_report", "from_rollups", "from_blocks", "per_step_view", "summary_stragglers",
-           "FALLBACK_STEPS", "MIN_WINDOW_STEPS"]
+           "FALLBACK_STEPS", "MIN_WINDOW_STEPS", "MAX_SLOW_RANGES"]
 
 FALLBACK_STEPS = 512
 MIN_WINDOW_STEPS = min(10, WINDOW_STEPS)  # a window counts once it holds this many of the rank's steps
@@ -96,6 +97,24 @@ def from_blocks(blocks: list[tuple[int, dict[str, np.ndarray]]], world_size: int
                     flagged_w.setdefault(int(rank), []).append((int(w), float(mean_r[j])))
     return {"arr": arr, "flagged_windows": flagged_w, "n_windows": n_windows,
             "source": f"blocks (last {k} steps)"}
+
+
+MAX_SLOW_RANGES = 32  # step ranges a straggler lists (the first ones)
+
+
+def _ranges(wins: list[tuple[int, float]]) -> list[list[int]]:
+    """The steps of a rank's flagged windows as merged ``[first, end)`` step ranges, at most
+    ``MAX_SLOW_RANGES`` (the first ones): where the run page's scalars chart shades the straggler."""
+    out: list[list[int]] = []
+    for w in sorted({w for w, _ in wins}):
+        lo, hi = w * WINDOW_STEPS, (w + 1) * WINDOW_STEPS
+        if out and out[-1][1] == lo:
+            out[-1][1] = hi
+        elif len(out) < MAX_SLOW_RANGES:
+            out.append([lo, hi])
+        else:
+            break
+    return out
 
 
 def _component(arr: dict[str, np.ndarray], j: int) -> tuple[str | None, dict[str, float]]:
@@ -179,6 +198,7 @@ def straggler_report(run_id: int, *, world_size: int, fig: RunFigures, hosts: di
             "windows_flagged": len(wins),
             "windows": int(data["n_windows"].get(rank, 0)),
             "first_window_step": (min(w for w, _ in wins) * WINDOW_STEPS) if wins else None,
+            "slow_ranges": _ranges(wins),
             "peak_window_slowdown": round(max(r for _, r in wins), 4) if wins else None,
             "component": comp,
             "component_excess_s": {k: round(v, 6) for k, v in ex.items()},

@@ -5,7 +5,9 @@ finished run's reports are computed once per process. Keys hold the engine (its 
 so a new database never reuses an entry. Bounded LRU: at most ``_MAX_ENTRIES`` entries and about
 ``_MAX_BYTES`` of values (sizes estimated when stored: numpy buffers, strings and containers, large
 containers from a sample); a value larger than a quarter of it is returned but not kept.
-``forget_run`` drops a run's entries (a deleted run keeps no memory here)."""
+``forget_run`` drops a run's entries (a deleted run keeps no memory here). One computation per key at
+a time: a caller asking for a value another thread is computing waits for it instead of computing it
+again (a page's callbacks ask for the same report at once after a server start)."""
 
 from __future__ import annotations
 
@@ -111,15 +113,37 @@ def put(key: tuple[Hashable, ...], version: Hashable, value: Any) -> None:
             _bytes -= n
 
 
+_flights_lock = threading.Lock()
+_flights: dict[tuple[Hashable, ...], list[Any]] = {}  # key -> [RLock, callers holding or waiting for it]
+
+
+def _compute(key: tuple[Hashable, ...], version: Hashable, fn: Callable[[], T]) -> T:
+    """``fn()`` once per key at a time: concurrent callers of the same key wait for the first one's value."""
+    with _flights_lock:
+        flight = _flights.setdefault(key, [threading.RLock(), 0])
+        flight[1] += 1
+    try:
+        with flight[0]:
+            hit, value = get(key, version)  # computed by the caller this one waited for
+            if hit:
+                return value  # type: ignore[no-any-return]
+            value = fn()
+            put(key, version, value)
+            return value
+    finally:
+        with _flights_lock:
+            flight[1] -= 1
+            if flight[1] == 0:
+                _flights.pop(key, None)
+
+
 def cached(name: Hashable, engine: Engine, run: RunRow, fn: Callable[[], T]) -> T:
     """``fn()`` for ``run``, reused while ``run.version`` stays the same (no query)."""
     key = (engine_key(engine), run.id, name)
     hit, value = get(key, run.version)
     if hit:
         return value  # type: ignore[no-any-return]
-    value = fn()
-    put(key, run.version, value)
-    return value
+    return _compute(key, run.version, fn)
 
 
 def cached_by_id(name: Hashable, engine: Engine, run_id: int, fn: Callable[[], T]) -> T:
@@ -129,9 +153,7 @@ def cached_by_id(name: Hashable, engine: Engine, run_id: int, fn: Callable[[], T
     hit, value = get(key, version)
     if hit:
         return value  # type: ignore[no-any-return]
-    value = fn()
-    put(key, version, value)
-    return value
+    return _compute(key, version, fn)
 
 
 def clear() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from fleetscope.server.codec import (
     COLL_BLOCK_FIELDS,
     FRAG_COLL_FIELDS,

@@ -8,6 +8,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -129,3 +130,18 @@ def wait_for(driver: Any, js: str, *, timeout: float = 30.0, what: str = "condit
 def severe_logs(driver: Any) -> list[str]:
     """Browser-console entries of level SEVERE since the last call."""
     return [e["message"] for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+
+
+def open_browser() -> Iterator[Any]:
+    """The body of a ``browser`` fixture (``yield from open_browser()``): a headless chromium for the
+    fixture's scope, quit afterwards, failing or not; the test fails naming why when none starts."""
+    import pytest
+
+    try:
+        d = start_browser()
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)
+    try:
+        yield d
+    finally:
+        d.quit()

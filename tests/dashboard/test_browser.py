@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from browser_util import severe_logs, start_browser, wait_for, wait_for_charts
+from browser_util import open_browser, severe_logs, wait_for, wait_for_charts
 from conftest import _db_uri, start_server
 from dash_util import add_alert, add_benchmarks, load
 from selenium.webdriver.common.by import By
@@ -26,15 +26,7 @@ RUN_CHARTS = ["run-decomposition", "run-heatmap", "run-stragglers", "run-through
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    missing = None
-    try:
-        d = start_browser()
-    except RuntimeError as e:
-        missing = str(e)
-    if missing:
-        pytest.fail(missing, pytrace=False)
-    yield d
-    d.quit()
+    yield from open_browser()
 
 
 @pytest.fixture(scope="module")

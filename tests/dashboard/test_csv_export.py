@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_util import severe_logs, start_browser, wait_for
+from browser_util import open_browser, severe_logs, wait_for
 from conftest import start_server
 from dash_util import load
 from selenium.webdriver.common.by import By
@@ -26,15 +26,7 @@ from fleetscope.synthetic import RunSpec
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    missing = None
-    try:
-        d = start_browser()
-    except RuntimeError as e:
-        missing = str(e)
-    if missing:
-        pytest.fail(missing, pytrace=False)
-    yield d
-    d.quit()
+    yield from open_browser()
 
 
 _TABLE_ROWS = """

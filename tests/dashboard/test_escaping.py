@@ -26,7 +26,7 @@ import numpy as np
 import plotly.graph_objects as go
 import psycopg
 import pytest
-from browser_util import severe_logs, start_browser, wait_for, wait_for_charts
+from browser_util import open_browser, severe_logs, wait_for, wait_for_charts
 from conftest import _db_uri, start_server
 from dash_util import add_alert
 from fleetscope.dashboard import figures as F
@@ -174,15 +174,7 @@ def _hostile_run(srv: Any, name: str, world: int, *, node_of: Any) -> int:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    missing = None
-    try:
-        d = start_browser()
-    except RuntimeError as e:
-        missing = str(e)
-    if missing:
-        pytest.fail(missing, pytrace=False)
-    yield d
-    d.quit()
+    yield from open_browser()
 
 
 @pytest.fixture(scope="module")

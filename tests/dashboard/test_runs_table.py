@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from browser_util import severe_logs, start_browser, wait_for
+from browser_util import open_browser, severe_logs, wait_for
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 
@@ -22,12 +22,7 @@ _NAMES = [f.name for f in RANK_STEP_FIELDS]
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    try:
-        d = start_browser()
-    except RuntimeError as e:
-        pytest.fail(str(e), pytrace=False)
-    yield d
-    d.quit()
+    yield from open_browser()
 
 
 def _steps(n: int, step_s: float) -> list[tuple]:

@@ -157,6 +157,9 @@ class Client:
         self.log_once = log_once or LogOnce(logger)
         self.retries = 0
         self.run_ids: dict[str, int] = {}
+        self.encoding = "gzip"
+        """Content-Encoding of ingest bodies: zstd once a registration answer lists it (cheaper on both
+        ends), back to gzip should a server answer 415 (e.g. an older instance behind the same address)."""
 
     def reset_after_fork(self, stop: threading.Event) -> None:
         """In a forked child: never touch the parent's socket; keep the run ids."""
@@ -279,8 +282,10 @@ class Client:
         if resp is None:
             return "unreachable"
         if 200 <= resp.status < 300:
-            rid = int(json.loads(resp.body)["id"])
+            answer = json.loads(resp.body)
+            rid = int(answer["id"])
             self.run_ids[key] = rid
+            self.encoding = _pick_encoding(answer.get("ingest_encodings"))
             return rid
         return self._refused(resp, "registering the run")
 
@@ -365,12 +370,16 @@ class Client:
             self._keep(res, rid, {"batch": batch}, n)
             return
         try:
-            body, headers = encode({**batch, "run_id": rid})
+            body, headers = encode({**batch, "run_id": rid}, self.encoding)
         except (TypeError, ValueError, OverflowError) as e:
             self.log_once("encode", logging.ERROR, "fleetscope agent could not encode a batch: %s", e)
             res.drop("unencodable", n)
             return
         resp = self._post("/api/v1/ingest", body, headers, deadline=deadline, max_attempts=max_attempts)
+        if resp is not None and resp.status == 415 and headers.get("Content-Encoding") == "zstd":
+            self.encoding = "gzip"  # a server that does not take zstd: every server takes gzip
+            body, headers = encode({**batch, "run_id": rid}, self.encoding)
+            resp = self._post("/api/v1/ingest", body, headers, deadline=deadline, max_attempts=max_attempts)
         if resp is None:
             self._keep(res, "unreachable", {"batch": batch}, n)
         elif 200 <= resp.status < 300:
@@ -434,3 +443,14 @@ class Client:
             else:
                 self._keep(res, why, {"finish": status}, 0)
             return
+
+
+def _pick_encoding(offered: Any) -> str:
+    """zstd when the server lists it and this process can compress it, else gzip (every server)."""
+    if isinstance(offered, list) and "zstd" in offered:
+        try:
+            import zstandard  # noqa: F401
+        except ImportError:
+            return "gzip"
+        return "zstd"
+    return "gzip"

@@ -176,14 +176,14 @@ def without_record(batch: Batch, section: object, index: object) -> Batch | None
     return out
 
 
-def encode(batch: Batch) -> tuple[bytes, dict[str, str]]:
+def encode(batch: Batch, encoding: str = "gzip") -> tuple[bytes, dict[str, str]]:
     """``wire.encode_batch``; values msgpack cannot pack (numpy scalars, ...) are made plain first."""
     try:
-        return encode_batch(batch)
+        return encode_batch(batch, encoding=encoding)
     except TypeError:
         import msgpack
 
         from .spool import to_plain
 
         plain = msgpack.unpackb(msgpack.packb(batch, use_bin_type=True, default=to_plain), raw=False)
-        return encode_batch(plain)
+        return encode_batch(plain, encoding=encoding)

@@ -7,6 +7,7 @@ rank-step after compaction, side by side with a one-row-per-rank-step table with
 
 ``--runs K`` splits the rank-steps over K runs (compaction is partitioned by run: one run is folded
 by one compactor at a time); ``--compaction-workers N`` runs the server with N compaction processes.
+``--encoding`` (default auto: zstd for a server that takes it, as the agent negotiates, else gzip).
 ``--before REV`` first measures the server of an older commit (laid out from ``git archive`` in a temp
 dir, served with that code on PYTHONPATH), then this checkout's, each on its own embedded Postgres
 with its own COPY reference, in the same invocation; the last lines give after / before.
@@ -76,12 +77,13 @@ def make_rows(ranks: int, steps: int, seed: int = 0) -> tuple[list[tuple], list[
     return rows, colls
 
 
-def encode_batches(run_id: int, rows: list[tuple], colls: list[tuple], per_batch: int) -> list[tuple[bytes, dict]]:
+def encode_batches(run_id: int, rows: list[tuple], colls: list[tuple], per_batch: int,
+                   encoding: str = "gzip") -> list[tuple[bytes, dict]]:
     out = []
     for i in range(0, len(rows), per_batch):
         b = {"v": 1, "run_id": run_id, "rank_steps": columnar(rows[i : i + per_batch], RANK_STEP_FIELDS, binary=True),
              "collectives": columnar(colls[4 * i : 4 * (i + per_batch)], COLLECTIVE_FIELDS, binary=True)}
-        out.append(encode_batch(b))
+        out.append(encode_batch(b, encoding=encoding))
     return out
 
 
@@ -137,6 +139,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1, help="split the rank-steps over this many runs")
     ap.add_argument("--compaction-workers", type=int, default=0)
     ap.add_argument("--before", metavar="REV", help="also measure this older commit's server first, in the same run")
+    ap.add_argument("--encoding", choices=("auto", "gzip", "zstd"), default="auto",
+                    help="body encoding; auto: what the agent uses with that server (zstd where the run registration "
+                         "lists it, else gzip)")
     args = ap.parse_args()
     builds: list[tuple[str, str | None]] = [("after" if args.before else "", None)]
     if args.before:
@@ -192,12 +197,16 @@ def measure(args: argparse.Namespace, pythonpath: str | None) -> dict[str, float
         copy_rate = n / t_copy
         print(f"raw COPY: {t_copy:.2f}s", flush=True)
 
+        encoding = args.encoding
+        if encoding == "auto":  # as the agent: zstd with a server that takes it (its registration lists it)
+            src = (Path(pythonpath) / "fleetscope" if pythonpath else ROOT) / "server" / "ingest.py"
+            encoding = "zstd" if "INGEST_ENCODINGS" in src.read_text() else "gzip"
         # each run gets a contiguous share of the steps (whole steps: every rank of a step in one run)
         per_run = -(-steps // args.runs) * args.ranks
         by_run = []
         for k, rid in enumerate(http_runs):
             lo, hi = k * per_run, min(n, (k + 1) * per_run)
-            by_run.append(encode_batches(rid, rows[lo:hi], colls[4 * lo:4 * hi], args.batch) if hi > lo else [])
+            by_run.append(encode_batches(rid, rows[lo:hi], colls[4 * lo:4 * hi], args.batch, encoding) if hi > lo else [])
         batches = [b[i] for i in range(max(map(len, by_run))) for b in by_run if i < len(b)]  # runs interleaved
         wire_bytes = sum(len(b) for b, _ in batches)
         env = {**os.environ, "FLEETSCOPE_COMPACT_GRACE_S": "2", "FLEETSCOPE_COMPACT_INTERVAL_S": "0.5"}
@@ -284,7 +293,7 @@ def measure(args: argparse.Namespace, pythonpath: str | None) -> dict[str, float
         print(f"runs: {args.runs}, compaction workers: {args.compaction_workers} (0: a thread of the server), "
               f"load {os.getloadavg()}")
         print(f"batches: {len(batches)} x {args.batch} rank-steps (+4 collectives each), {args.senders} senders, "
-              f"{wire_bytes / n:.1f} wire bytes per rank-step (msgpack+gzip), {retries[0]} backpressure retries")
+              f"{wire_bytes / n:.1f} wire bytes per rank-step (msgpack+{encoding}), {retries[0]} backpressure retries")
         print(f"ingest_accept_rate: {n / t_accept:,.0f} rank-steps/s")
         print(f"ingest_sustained_rate: {n / t_done:,.0f} rank-steps/s (accepted and compacted, + {4 * n / t_done:,.0f} collectives/s)")
         print(f"raw_copy_rate: {copy_rate:,.0f} rank-steps/s (+ 4x collectives; psycopg binary COPY write_row into row tables)")

@@ -206,8 +206,11 @@ def columns_from_rows(rows: list[tuple], fields: tuple[Field, ...], *, binary: b
     return out
 
 
-def encode_batch(batch: dict[str, Any], *, fmt: str = "msgpack", compress: bool = True) -> tuple[bytes, dict[str, str]]:
-    """Encode a batch for ``POST /api/v1/ingest``; returns the body and its headers."""
+def encode_batch(batch: dict[str, Any], *, fmt: str = "msgpack", compress: bool = True,
+                 encoding: str = "gzip") -> tuple[bytes, dict[str, str]]:
+    """Encode a batch for ``POST /api/v1/ingest``; returns the body and its headers. ``encoding``:
+    ``"gzip"`` (every server takes it) or ``"zstd"`` (servers that list it in their run registration
+    answer, ``ingest_encodings``: 3-4× cheaper to decompress and to compress)."""
     if fmt == "msgpack":
         import msgpack
 
@@ -218,7 +221,14 @@ def encode_batch(batch: dict[str, Any], *, fmt: str = "msgpack", compress: bool 
         headers = {"Content-Type": "application/json"}
     else:
         raise ValueError(f"unknown wire format {fmt!r}: expected 'msgpack' or 'json'")
-    if compress:
+    if compress and encoding == "zstd":
+        import zstandard
+
+        body = zstandard.ZstdCompressor(level=1).compress(body)
+        headers["Content-Encoding"] = "zstd"
+    elif compress:
+        if encoding != "gzip":
+            raise ValueError(f"unknown content encoding {encoding!r}: expected 'gzip' or 'zstd'")
         body = gzip.compress(body, compresslevel=1)
         headers["Content-Encoding"] = "gzip"
     return body, headers

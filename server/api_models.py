@@ -29,6 +29,8 @@ class RunRegistered(BaseModel):
     created: bool | None = Field(None, description="false when the run existed (another rank registered it)")
     attempt: int | None = None
     job_id: str | None = None
+    ingest_encodings: list[str] = Field(default_factory=list, description=(
+        "Content-Encoding values POST /api/v1/ingest takes besides none (gzip, zstd): a client may use any"))
 
 
 class RunFinished(BaseModel):

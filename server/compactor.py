@@ -161,7 +161,7 @@ class Compactor:
                     res = self.run_once()
                     if self.on_pass is not None:
                         self.on_pass(res)
-                    if not res.more or self._stop.is_set():
+                    if not (res.more or res.steps) or self._stop.is_set():  # folded steps: more may have landed
                         break
             except Exception:  # noqa: BLE001 - keep compacting; the raw rows stay until a pass succeeds
                 self.errors += 1
@@ -641,7 +641,7 @@ def _worker_main(url: str, grace_s: float, interval_s: float, stop: Any, index: 
                 while True:
                     res = comp.run_once()
                     report(res)
-                    if not res.more or stop.is_set():
+                    if not (res.more or res.steps) or stop.is_set():  # folded steps: more may have landed
                         break
             except Exception:  # noqa: BLE001 - keep compacting; raw rows stay until a pass succeeds
                 log.exception("compaction worker %d: pass failed (raw rows kept; will retry)", index)

@@ -110,13 +110,49 @@ def _decompress(body: bytes, limit: int) -> bytes:
     return out
 
 
+INGEST_ENCODINGS = ("gzip", "zstd")
+"""The ``Content-Encoding`` values ``POST /api/v1/ingest`` takes (besides none); the run registration
+answer lists them, so an agent uses zstd only with a server that takes it."""
+
+
+def _decompress_zstd(body: bytes, limit: int) -> bytes:
+    """A zstd body, bounded like gzip: at most ``MAX_GZIP_RATIO``× its size (+1 MiB) and ``limit``."""
+    import zstandard
+
+    cap = min(limit, MAX_GZIP_RATIO * len(body) + _RATIO_FLOOR_BYTES)
+    more: bool | bytes = False
+    try:
+        size = zstandard.frame_content_size(body)  # -1: the frame does not say (a streaming encoder)
+        if size > cap:
+            out = b""
+            more = True
+        elif size >= 0:  # one shot; a truncated or corrupt frame raises
+            out = zstandard.ZstdDecompressor().decompress(body, max_output_size=cap)
+        else:
+            with zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=True) as r:
+                out = r.read(cap + 1)
+                more = len(out) <= cap and r.read(1)
+    except zstandard.ZstdError as e:
+        raise BatchError("body", f"invalid zstd data ({e})", status=400) from None
+    if len(out) > cap or more:
+        if cap < limit:
+            raise BatchError("body", f"zstd body of {len(body)} bytes expands more than {MAX_GZIP_RATIO}× "
+                                     f"(past {cap} bytes): refused as a decompression bomb", status=413)
+        raise BatchError("body", f"decompressed batch exceeds {limit} bytes", status=413)
+    if not out:
+        raise BatchError("body", "empty or truncated zstd data", status=400)
+    return out
+
+
 def decode_body(body: bytes, content_type: str | None, content_encoding: str | None, *, max_decoded: int) -> Any:
     """Bytes on the wire → Python objects; errors are BatchError with 400/413/415."""
     enc = (content_encoding or "identity").strip().lower()
     if enc == "gzip":
         body = _decompress(body, max_decoded)
+    elif enc == "zstd":
+        body = _decompress_zstd(body, max_decoded)
     elif enc not in ("identity", ""):
-        raise BatchError("Content-Encoding", f"unsupported encoding {enc!r} (use gzip or none)", status=415)
+        raise BatchError("Content-Encoding", f"unsupported encoding {enc!r} (use gzip, zstd or none)", status=415)
     ctype = (content_type or "").split(";")[0].strip().lower()
     if ctype in (MSGPACK_CONTENT_TYPE, "application/x-msgpack", "application/vnd.msgpack"):
         try:

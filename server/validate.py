@@ -232,6 +232,11 @@ def _binary_column(section: str, f: Field, values: bytes | bytearray, n: int) ->
             f"{section}.{f.name}", f"has {len(values)} bytes but the section has {n} records (8 bytes each expected)"
         )
     arr = np.frombuffer(values, dtype="<f8" if f.type == "float" else "<i8").astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        ok = np.abs(arr) <= _max_of(f)  # False for NaN, inf and out-of-range values
+        fine = bool(ok.all()) or (not f.required and not (~ok & ~np.isnan(arr)).any())  # NaN: not measured
+        if fine and not (f.nonnegative and (arr < 0).any()):
+            return arr  # the common case: decided in a pass or two; what fails is named below
     nan = np.isnan(arr)
     if f.required and nan.any():
         i = int(np.argmax(nan))

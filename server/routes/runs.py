@@ -10,6 +10,7 @@ from starlette.concurrency import run_in_threadpool
 from .. import reports
 from ..api_models import Collectives, RunDeleted, RunDetail, RunFinished, RunRegistered, Scalars, Steps
 from ..deps import AdminAuth, IngestAuth, IngestCaller, State
+from ..ingest import INGEST_ENCODINGS
 from ..limits import MAX_PAGE_ROWS, MAX_SCALAR_READ_POINTS
 from ..ownership import owners_for
 from ..reports import research
@@ -26,7 +27,7 @@ RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
 def post_run(reg: RunRegistration, st: State, who: IngestCaller) -> dict[str, Any]:
     out = register_run(st.engine, reg, owner_token_id=who.token_id, owner_key=who.owner_key)
     st.ingest.forget_run(out["id"])
-    return out
+    return {**out, "ingest_encodings": list(INGEST_ENCODINGS)}
 
 
 @router.post("/runs/{run_id}/finish", dependencies=[IngestAuth], response_model=RunFinished, summary="Mark a run finished/failed/aborted",

@@ -31,6 +31,9 @@ class Receiver:
         self.plan: deque[Any] = deque()
         self.default: Any = "ok"
         self.max_records: int | None = None
+        self.offer_encodings: list[str] | None = None  # listed in the registration answer (None: not at all)
+        self.takes_zstd = True  # False: a zstd ingest body gets 415, as from a server that lacks it
+        self.encodings: list[str] = []  # Content-Encoding of each ingest request, in arrival order
         self.batches: list[dict[str, Any]] = []
         self.runs: dict[str, int] = {}
         self.run_posts: list[dict[str, Any]] = []
@@ -159,8 +162,21 @@ class _Handler(BaseHTTPRequestHandler):
                 r.log.append((path, 401))
             self._answer(401, {"detail": "missing or invalid bearer token"})
             return
-        if self.headers.get("Content-Encoding") == "gzip":
+        encoding = self.headers.get("Content-Encoding") or ""
+        if path == "/api/v1/ingest":
+            with r.lock:
+                r.encodings.append(encoding)
+            if encoding == "zstd" and not r.takes_zstd:
+                with r.lock:
+                    r.log.append((path, 415))
+                self._answer(415, {"detail": "unsupported encoding 'zstd' (use gzip or none)"})
+                return
+        if encoding == "gzip":
             raw = gzip.decompress(raw)
+        elif encoding == "zstd":
+            import zstandard
+
+            raw = zstandard.ZstdDecompressor().decompress(raw)
         if self.headers.get("Content-Type") == "application/msgpack":
             doc = msgpack.unpackb(raw, raw=False)
         else:
@@ -171,7 +187,10 @@ class _Handler(BaseHTTPRequestHandler):
                 created = doc["name"] not in r.runs
                 rid = r.runs.setdefault(doc["name"], len(r.runs) + 1)
                 r.log.append((path, 200))
-            self._answer(200, {"id": rid, "name": doc["name"], "created": created})
+            answer = {"id": rid, "name": doc["name"], "created": created}
+            if r.offer_encodings is not None:
+                answer["ingest_encodings"] = r.offer_encodings
+            self._answer(200, answer)
             return
         if path.startswith("/api/v1/runs/") and path.endswith("/finish"):
             rid = int(path.split("/")[4])

@@ -95,6 +95,26 @@ def steps_of(rows: list[dict[str, Any]], rank: int | None = None) -> list[int]:
 # -- delivery ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("offer,takes_zstd,expect", [
+    (["gzip", "zstd"], True, {"zstd"}),  # a server that lists zstd gets zstd
+    (None, True, {"gzip"}),  # an older server lists nothing: gzip, which every server takes
+    (["gzip", "zstd"], False, {"zstd", "gzip"}),  # listed, then 415 (an older instance behind the address)
+], ids=["zstd", "not-offered", "415-falls-back"])
+def test_ingest_body_encoding_follows_what_the_server_takes(tmp_path, receiver, offer, takes_zstd, expect):
+    receiver.offer_encodings = offer
+    receiver.takes_zstd = takes_zstd
+    t = Transport(cfg(tmp_path, receiver.url), RUN)
+    for i in range(1_200):
+        t.submit("rank_step", step(0, i))
+    assert t.flush(timeout=20)
+    t.close()
+    assert steps_of(receiver.rows("rank_steps")) == list(range(1_200))  # all once, in order, whatever the encoding
+    assert set(receiver.encodings) == expect
+    if not takes_zstd:
+        assert receiver.encodings[0] == "zstd" and set(receiver.encodings[1:]) == {"gzip"}  # one refusal, then gzip
+    assert t.stats()["dropped"] == {} and t.stats()["spooled"] == 0
+
+
 def test_all_records_arrive_once_in_order_preserving_columnar_batches(tmp_path, receiver):
     t = Transport(cfg(tmp_path, receiver.url), RUN)
     n = 3_000

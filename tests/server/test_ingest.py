@@ -67,6 +67,45 @@ def test_msgpack_gzip_batch_is_stored_and_compacted(live_server: Any) -> None:
     assert s["rank_steps"] == 24 and s["collective_records"] == 96 and s["steps"] == 6
 
 
+def test_zstd_batch_is_stored_like_gzip_and_registration_offers_it(live_server: Any) -> None:
+    spec = _spec()
+    r = httpx.post(f"{live_server.url}/api/v1/runs", json=spec.run_info(),
+                   headers={"Authorization": f"Bearer {live_server.token}"}, timeout=30)
+    assert r.status_code == 200 and set(r.json()["ingest_encodings"]) == {"gzip", "zstd"}
+    rid = r.json()["id"]
+    batch = _batch(rid, spec)
+    zbody, zheaders = encode_batch(batch, encoding="zstd")
+    gbody, _ = encode_batch(batch)
+    assert zheaders["Content-Encoding"] == "zstd" and zbody != gbody
+    r = _post(live_server, zbody, zheaders)
+    assert r.status_code == 200, r.text
+    assert r.json()["accepted"]["rank_steps"] == 24 and r.json()["accepted"]["collectives"] == 96
+    assert live_server.compact().rank_steps == 24
+    with live_server.client() as cl:
+        assert cl.summary(rid)["rank_steps"] == 24
+
+
+def test_zstd_bodies_are_bounded_and_checked(db_url: str) -> None:
+    import zstandard
+    from conftest import start_server
+
+    srv = start_server(db_url)
+    try:
+        srv.state.settings.max_decoded_bytes = 10_000
+        payload = b"[" + b"0," * 100_000 + b"0]"
+        for content_size in (True, False):  # with and without the frame's declared size
+            bomb = zstandard.ZstdCompressor(level=3, write_content_size=content_size).compress(payload)
+            r = _post(srv, bomb, {"Content-Type": "application/json", "Content-Encoding": "zstd"})
+            assert r.status_code == 413, r.text
+        good = zstandard.ZstdCompressor().compress(b"[1, 2]")
+        for bad in (b"not zstd at all", good[:-2]):
+            r = _post(srv, bad, {"Content-Type": "application/json", "Content-Encoding": "zstd"})
+            assert r.status_code == 400 and "zstd" in r.json()["detail"]["error"], r.text
+        assert set(_counts(srv.state.engine).values()) == {0}
+    finally:
+        srv.stop()
+
+
 def test_json_and_row_form_are_accepted(live_server: Any) -> None:
     spec = _spec(ranks=2, steps=2)
     rid = _register(live_server, spec)

@@ -139,6 +139,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1, help="split the rank-steps over this many runs")
     ap.add_argument("--compaction-workers", type=int, default=0)
     ap.add_argument("--before", metavar="REV", help="also measure this older commit's server first, in the same run")
+    ap.add_argument("--settle-s", type=float, default=3.0,
+                    help="seconds between the server answering and timing (its compaction processes finish starting)")
     ap.add_argument("--encoding", choices=("auto", "gzip", "zstd"), default="auto",
                     help="body encoding; auto: what the agent uses with that server (zstd where the run registration "
                          "lists it, else gzip)")
@@ -229,6 +231,7 @@ def measure(args: argparse.Namespace, pythonpath: str | None) -> dict[str, float
                 raise SystemExit("server did not start")
             time.sleep(0.2)
 
+        time.sleep(args.settle_s)  # /healthz answers before the compaction processes finish importing
         lat: list[float] = []
         retries = [0]
         q = list(range(len(batches)))

@@ -66,32 +66,43 @@ def _dense(col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def unique_rows(*cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(np.stack(cols, 1), axis=0, return_inverse=True)`` for int columns: the distinct
-    rows (sorted) and each row's index into them, by counting where the key space is small (no sort)."""
+    rows (sorted) and each row's index into them, by counting where the key space is small (no sort).
+    A column of small range enters the key as its offset from the minimum; a wide one (hashed codes)
+    through its distinct values."""
     n = len(cols[0])
     if n == 0:
         return np.empty((0, len(cols)), dtype=np.int64), np.empty(0, dtype=np.int64)
-    dense = [_dense(c) for c in cols]
-    space = float(np.prod([float(len(u)) for u, _ in dense]))
+    parts: list[tuple[np.ndarray, int, int, np.ndarray | None]] = []  # (digit, base, offset, values)
+    for c in cols:
+        c = c.astype(np.int64, copy=False)
+        lo, hi = int(c.min()), int(c.max())
+        if hi - lo < _small_space(n):
+            parts.append((c - lo, hi - lo + 1, lo, None))
+        else:
+            u, i = _dense(c)
+            parts.append((i, len(u), 0, u))
+    space = float(np.prod([float(base) for _, base, _, _ in parts]))
+    if space >= 2.0**62:  # pragma: no cover - more combinations than int64 keys: sort the rows themselves
+        stacked = np.stack([c.astype(np.int64) for c in cols], axis=1)
+        rows, inv = np.unique(stacked, axis=0, return_inverse=True)
+        return rows, inv.reshape(-1)
     key = np.zeros(n, dtype=np.int64)
-    for u, i in dense:
-        key = key * len(u) + i
+    for digit, base, _, _ in parts:
+        key = key * base + digit
     if space <= _small_space(n):
         present = np.bincount(key, minlength=int(space)) > 0
         uk = np.flatnonzero(present)
         inv = (np.cumsum(present) - 1)[key]
-    elif space < 2.0**62:
+    else:
         uk, inv = np.unique(key, return_inverse=True)
         inv = inv.reshape(-1)
-    else:  # pragma: no cover - more distinct combinations than int64 keys: sort the rows themselves
-        stacked = np.stack([c.astype(np.int64) for c in cols], axis=1)
-        rows, inv = np.unique(stacked, axis=0, return_inverse=True)
-        return rows, inv.reshape(-1)
     rows = np.empty((len(uk), len(cols)), dtype=np.int64)
-    rem = uk
+    rem = uk.copy()
     for j in range(len(cols) - 1, -1, -1):
-        u, _ = dense[j]
-        rows[:, j] = u[rem % len(u)]
-        rem = rem // len(u)
+        _, base, lo, values = parts[j]
+        digit = rem % base
+        rows[:, j] = values[digit] if values is not None else digit + lo
+        rem //= base
     return rows, inv
 
 

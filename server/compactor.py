@@ -88,6 +88,13 @@ class CompactionResult:
         self.runs |= other.runs
 
 
+def _big(res: CompactionResult) -> bool:
+    """A pass that folded a quarter of what one pass may take: more has likely landed meanwhile, so the
+    loop passes again at once (a burst is folded back to back); after small passes it waits its
+    interval, so a trickle of small batches is folded in few passes, not one pass per batch."""
+    return res.rank_steps + res.collectives >= _MAX_RECORDS // 4
+
+
 def bits_of(ranks: np.ndarray) -> str:
     """Bit string with bit r set for each rank r (Postgres ``bit varying`` text)."""
     bits = np.zeros(int(ranks.max()) + 1 if len(ranks) else 0, dtype=np.uint8)
@@ -161,7 +168,7 @@ class Compactor:
                     res = self.run_once()
                     if self.on_pass is not None:
                         self.on_pass(res)
-                    if not (res.more or res.steps) or self._stop.is_set():  # folded steps: more may have landed
+                    if not (res.more or _big(res)) or self._stop.is_set():
                         break
             except Exception:  # noqa: BLE001 - keep compacting; the raw rows stay until a pass succeeds
                 self.errors += 1
@@ -641,7 +648,7 @@ def _worker_main(url: str, grace_s: float, interval_s: float, stop: Any, index: 
                 while True:
                     res = comp.run_once()
                     report(res)
-                    if not (res.more or res.steps) or stop.is_set():  # folded steps: more may have landed
+                    if not (res.more or _big(res)) or stop.is_set():
                         break
             except Exception:  # noqa: BLE001 - keep compacting; raw rows stay until a pass succeeds
                 log.exception("compaction worker %d: pass failed (raw rows kept; will retry)", index)

@@ -36,18 +36,27 @@ def _root_conftest() -> Any:
     """tests/conftest.py's module. The server tests do ``from conftest import start_server``; here
     ``conftest`` is this module (pytest imports every conftest.py as ``conftest``), so the names it
     lacks are looked up there (PEP 562 module ``__getattr__``)."""
+    global _ROOT
+    if _ROOT is not None:
+        return _ROOT
     import gc
     import types
 
     path = str(HERE.parent / "conftest.py")
     for o in gc.get_objects():
         if isinstance(o, types.ModuleType) and getattr(o, "__file__", None) == path:
+            _ROOT = o
             return o
     raise ImportError(f"{path} is not loaded")
 
 
+_ROOT: Any = None
+
+
 def __getattr__(name: str) -> Any:
-    if name.startswith("__"):
+    # pluggy asks every conftest for every hook name at every test: those are never borrowed (and a
+    # scan of the heap per question made the whole suite several times slower)
+    if name.startswith(("__", "pytest_")):
         raise AttributeError(name)
     return getattr(_root_conftest(), name)
 

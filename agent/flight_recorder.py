@@ -385,12 +385,21 @@ def position_collective(run: Any = None) -> dict[str, Any] | None:
     dims = _group_dims()
     world = getattr(run, "world_size", None)
     now = time.time()
+    newest: dict[str, FREntry] = {}
+    for x in entries:
+        if not x.p2p:
+            newest[x.group] = x
     pending: FREntry | None = None
     for name, st in status.items():
         try:
             enq = int(st.get("last_enqueued_collective", -1))
             comp = int(st.get("last_completed_collective", -1))
         except (TypeError, ValueError, AttributeError):
+            continue
+        last = newest.get(str(name))
+        if last is None or last.seq != enq:
+            # the status of a destroyed group: the recorder keys status by a uid that a re-created group
+            # does not reuse, while its entries reuse the name (a job that re-initialises its groups)
             continue
         if enq > comp:
             # the newest entry with that number: a destroyed group of the same name left older ones

@@ -144,3 +144,26 @@ def test_a_real_gloo_trace_is_read(tmp_path: Any) -> None:
     assert {k: pos[k] for k in ("op", "dim", "seq", "bytes", "done")} == {
         "op": "broadcast", "dim": "world", "seq": 4, "bytes": 16, "done": True}
     assert 0 <= pos["since_s"] < 60
+
+
+def test_a_destroyed_groups_status_does_not_make_a_position(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recorder keys ``pg_status`` by a uid that a re-created group does not reuse, while the new
+    group's entries reuse the name ("0"): a destroyed group's last status (enqueued past completed) must
+    not be read as the live group being blocked in that old collective."""
+    import types
+
+    old = [_entry(i, 100.0 + i, seq=i + 1) for i in range(37)]  # seq 1..37 of the first incarnation
+    new = [_entry(37 + i, 200.0 + i, seq=i + 1) for i in range(14)]  # seq 1..14 of the re-created group
+    trace = {"entries": old + new, "pg_config": {"0": {"desc": "default_pg", "ranks": "[0]"}},
+             "pg_status": {"0": {"last_enqueued_collective": 37, "last_completed_collective": 36},
+                           "1": {"last_enqueued_collective": 14, "last_completed_collective": 14}}}
+    fake = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True)
+    monkeypatch.setitem(sys.modules, "torch.distributed", fake)
+    monkeypatch.setattr(fr, "dump", lambda: trace)
+    pos = fr.position_collective()
+    assert pos is not None and (pos["seq"], pos["done"]) == (14, True)
+    # the live group blocked in its 15th: that one is named, not done
+    trace["entries"] = old + new + [_entry(51, 215.0, seq=15)]
+    trace["pg_status"]["0"] = {"last_enqueued_collective": 15, "last_completed_collective": 14}
+    pos = fr.position_collective()
+    assert pos is not None and (pos["seq"], pos["done"]) == (15, False)

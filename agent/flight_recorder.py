@@ -91,31 +91,63 @@ def _switched_off(env: Any = None) -> bool:
     return str(v).strip().lower() in ("0", "false", "no", "off")
 
 
-def _dumper() -> Callable[..., bytes] | None:
+def _dumpers() -> list[tuple[str, Callable[..., bytes]]]:
+    """The recorders this torch can dump: NCCL's own (``_dump_nccl_trace``, CUDA builds: NCCL groups
+    record there) and the generic one (``_dump_fr_trace``: gloo and other CPU backends)."""
     import sys
 
     if "torch" not in sys.modules:
-        return None
+        return []
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined,unused-ignore]
-    except Exception:  # noqa: BLE001 - older torch, or a build without distributed
-        return None
-    return _dump_fr_trace  # type: ignore[no-any-return]
+        import importlib
+
+        c10d = importlib.import_module("torch._C._distributed_c10d")
+    except Exception:  # noqa: BLE001 - a build without distributed
+        return []
+    out = []
+    for src, name in (("nccl", "_dump_nccl_trace"), ("fr", "_dump_fr_trace")):
+        fn = getattr(c10d, name, None)
+        if fn is not None:
+            out.append((src, fn))
+    return out
 
 
 def available() -> bool:
     """Whether this torch can dump a Flight Recorder trace (the buffer may still be off)."""
-    return _dumper() is not None
+    return bool(_dumpers())
 
 
 def dump(only_active: bool = False) -> dict[str, Any] | None:
-    """The Flight Recorder's trace (entries without stack traces), or None where there is none."""
-    fn = _dumper()
-    if fn is None:
+    """The Flight Recorder's trace (entries without stack traces), or None where there is none.
+
+    NCCL groups record into NCCL's recorder, gloo groups into the generic one: both are read and
+    merged. Each entry is tagged with its recorder (``_src``) and ``pg_status`` is keyed
+    ``"src:uid"`` (a group with a CPU and a CUDA backend has a status in each)."""
+    traces: list[tuple[str, dict[str, Any]]] = []
+    for src, fn in _dumpers():
+        raw = fn(includeCollectives=True, includeStackTraces=False, onlyActive=only_active)
+        d = pickle.loads(raw)
+        if isinstance(d, dict):
+            traces.append((src, d))
+    if not traces:
         return None
-    raw = fn(includeCollectives=True, includeStackTraces=False, onlyActive=only_active)
-    d = pickle.loads(raw)
-    return d if isinstance(d, dict) else None
+    out: dict[str, Any] = {"entries": [], "pg_config": {}, "pg_status": {}}
+    for src, d in traces:
+        for k, v in d.items():
+            if k not in out:
+                out[k] = v
+        for e in d.get("entries") or ():
+            if isinstance(e, dict):
+                out["entries"].append({**e, "_src": src})
+        cfg = d.get("pg_config")
+        if isinstance(cfg, dict):
+            for k, v in cfg.items():
+                out["pg_config"].setdefault(k, v)
+        st = d.get("pg_status")
+        if isinstance(st, dict):
+            for k, v in st.items():
+                out["pg_status"][f"{src}:{k}"] = v
+    return out
 
 
 _OPS = (
@@ -173,6 +205,7 @@ class FREntry:
     created: float  # wall time, unix seconds
     state: str
     completed: float | None  # wall time, where the backend tracks it
+    src: str = ""  # the recorder it came from ("nccl", "fr"; "" for a trace read whole elsewhere)
 
     @property
     def p2p(self) -> bool:
@@ -190,10 +223,13 @@ def parse(trace: dict[str, Any]) -> list[FREntry]:
             done = e.get("time_discovered_completed_ns")
             out.append(FREntry(int(e.get("record_id", 0)), str(pg[0]), str(pg[1]), seq, op, entry_bytes(op, e),
                                int(e.get("time_created_ns") or 0) / 1e9, str(e.get("state", "")),
-                               None if done is None else int(done) / 1e9))
+                               None if done is None else int(done) / 1e9, str(e.get("_src", ""))))
         except (TypeError, ValueError, AttributeError, IndexError):
             continue
-    out.sort(key=lambda x: x.record_id)
+    if len({x.src for x in out}) > 1:  # two recorders, each numbering its own records: by creation time
+        out.sort(key=lambda x: (x.created, x.src, x.record_id))
+    else:
+        out.sort(key=lambda x: x.record_id)
     return out
 
 
@@ -247,7 +283,7 @@ class GraphCollectives:
         self.interval_s = interval_s
         self._dump = dump_fn
         self._next = 0.0
-        self._last_id = -1
+        self._last_id: dict[str, int] = {}  # per recorder: the newest record id read
         self._entries: list[FREntry] = []  # read, not yet assigned to a step
         self._steps: dict[int, tuple[float, float]] = {}  # step -> (start, end) wall time
         self._own: dict[int, dict[tuple[str, str, int], int]] = {}  # step -> (op, dim, bytes) -> calls
@@ -289,8 +325,8 @@ class GraphCollectives:
         self._cfg = trace.get("pg_config") or {}
         self._dims = _group_dims()
         for e in parse(trace):
-            if e.record_id > self._last_id:
-                self._last_id = e.record_id
+            if e.record_id > self._last_id.get(e.src, -1):
+                self._last_id[e.src] = e.record_id
                 self.entries_seen += 1
                 if len(self._entries) < 100_000:
                     self._entries.append(e)
@@ -385,25 +421,26 @@ def position_collective(run: Any = None) -> dict[str, Any] | None:
     dims = _group_dims()
     world = getattr(run, "world_size", None)
     now = time.time()
-    newest: dict[str, FREntry] = {}
+    newest: dict[tuple[str, str], FREntry] = {}
     for x in entries:
         if not x.p2p:
-            newest[x.group] = x
+            newest[(x.src, x.group)] = x
     pending: FREntry | None = None
-    for name, st in status.items():
+    for key, st in status.items():
+        src, _, name = str(key).rpartition(":")  # dump() keys "src:uid"
         try:
             enq = int(st.get("last_enqueued_collective", -1))
             comp = int(st.get("last_completed_collective", -1))
         except (TypeError, ValueError, AttributeError):
             continue
-        last = newest.get(str(name))
+        last = newest.get((src, name))
         if last is None or last.seq != enq:
             # the status of a destroyed group: the recorder keys status by a uid that a re-created group
             # does not reuse, while its entries reuse the name (a job that re-initialises its groups)
             continue
         if enq > comp:
             # the newest entry with that number: a destroyed group of the same name left older ones
-            cand = [e for e in entries if e.group == str(name) and not e.p2p and e.seq == comp + 1]
+            cand = [e for e in entries if e.src == src and e.group == name and not e.p2p and e.seq == comp + 1]
             if cand and (pending is None or cand[-1].created < pending.created):
                 pending = cand[-1]
     e = pending or entries[-1]

@@ -683,7 +683,7 @@ def check_graph_collectives(ctx: Context) -> dict[str, Any]:
     from fleetscope.agent import flight_recorder
 
     need(dist.is_available(), "torch.distributed is not available")
-    need(flight_recorder.available(), "this torch has no _dump_fr_trace")
+    need(flight_recorder.available(), "this torch has no Flight Recorder dump (_dump_nccl_trace / _dump_fr_trace)")
     port = _free_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if ctx.cuda else "gloo"

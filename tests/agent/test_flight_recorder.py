@@ -167,3 +167,46 @@ def test_a_destroyed_groups_status_does_not_make_a_position(monkeypatch: pytest.
     trace["pg_status"]["0"] = {"last_enqueued_collective": 15, "last_completed_collective": 14}
     pos = fr.position_collective()
     assert pos is not None and (pos["seq"], pos["done"]) == (15, False)
+
+
+def test_nccl_and_generic_recorders_are_read_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL groups record into NCCL's own recorder (``_dump_nccl_trace``), gloo groups into the generic one
+    (``_dump_fr_trace``): the agent reads both. Each numbers its records from 0 and keys its group status by
+    its own uid, so entries are told apart by recorder and ordered by creation time."""
+    import pickle
+    import types
+
+    nccl = {"entries": [_entry(i, 10.0 + i, op="nccl:all_reduce", seq=i + 1) for i in range(3)],
+            "pg_config": {"0": {"desc": "default_pg", "ranks": "[0]"}},
+            "pg_status": {"0": {"last_enqueued_collective": 4, "last_completed_collective": 3}}}
+    nccl["entries"].append(_entry(3, 20.0, op="nccl:all_gather", seq=4))  # in flight: blocked here
+    gloo = {"entries": [_entry(i, 11.5 + i, op="gloo:broadcast", seq=i + 1) for i in range(5)],
+            "pg_config": {"0": {"desc": "default_pg", "ranks": "[0]"}},
+            "pg_status": {"0": {"last_enqueued_collective": 5, "last_completed_collective": 5}}}
+    calls: list[str] = []
+
+    def dumper(name: str, trace: dict[str, Any]) -> Any:
+        def fn(**kw: Any) -> bytes:
+            calls.append(name)
+            assert kw == {"includeCollectives": True, "includeStackTraces": False, "onlyActive": False}
+            return pickle.dumps(trace)
+        return fn
+
+    c10d = types.SimpleNamespace(_dump_nccl_trace=dumper("nccl", nccl), _dump_fr_trace=dumper("fr", gloo))
+    monkeypatch.setitem(sys.modules, "torch._C._distributed_c10d", c10d)
+    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch") or types.ModuleType("torch"))
+    trace = fr.dump()
+    assert trace is not None and sorted(calls) == ["fr", "nccl"]
+    entries = fr.parse(trace)
+    assert len(entries) == 9 and [e.created for e in entries] == sorted(e.created for e in entries)
+    assert {e.src for e in entries} == {"nccl", "fr"}
+    assert sorted(trace["pg_status"]) == ["fr:0", "nccl:0"]
+    # every entry of both is counted once across reads, though both recorders reuse record ids 0..4
+    gc = fr.GraphCollectives(1, interval_s=0.0, dump_fn=lambda: trace)
+    gc._read()
+    gc._read()
+    assert gc.entries_seen == 9
+    fake = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True)
+    monkeypatch.setitem(sys.modules, "torch.distributed", fake)
+    pos = fr.position_collective()
+    assert pos is not None and (pos["op"], pos["seq"], pos["done"]) == ("all_gather", 4, False)

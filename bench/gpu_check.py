@@ -33,6 +33,9 @@ per check. Checks:
    all_reduce of 4 MiB and one eager all_reduce per step: the Flight Recorder's count of the compiled
    ones (``graph_collectives`` events) is exact, the eager ones are the agent's own records, and the
    rank's position names its last collective.
+7. ``fsdp2``: an FSDP2 (``fully_shard``) loop with AdamW on a 1-rank NCCL group: every step's
+   decomposition adds up to its step time, 0 synchronisations added. torch's FSDP2 issues no
+   all_gather / reduce_scatter on a 1-rank group, so its stream waits need two GPUs or more.
 
 Prints one ``PASS``/``FAIL``/``SKIP``/``NOT RUN`` line per check as it finishes, then the JSON
 summary (also written to ``--json PATH``). Exit status: 0 when nothing failed, 1 when a check
@@ -726,6 +729,127 @@ def check_graph_collectives(ctx: Context) -> dict[str, Any]:
     return detail
 
 
+def check_fsdp2(ctx: Context) -> dict[str, Any]:
+    """7: an FSDP2 (``fully_shard``) training loop on a 1-rank NCCL group: every step's decomposition
+    adds up to its step time and the agent adds 0 device synchronisations. torch's FSDP2 issues no
+    all_gather / reduce_scatter on a 1-rank group, so its stream waits are not exercised on one GPU;
+    where collectives are issued they must be recorded per step with completion times."""
+    torch = ctx.torch
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        try:
+            from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
+        except ImportError:
+            return "this torch has no fully_shard (FSDP2)"
+    need(dist.is_available(), "torch.distributed is not available")
+    port = _free_port()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if ctx.cuda else "gloo"
+    kw: dict[str, Any] = {"device_id": ctx.device} if ctx.cuda else {}
+    dist.init_process_group(backend, rank=0, world_size=1, **kw)
+    steps = max(4, ctx.args.steps // 2)
+    dev = ctx.device
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024),
+                                    torch.nn.GELU(), torch.nn.Linear(1024, 1024)).to(dev)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        n_params = sum(p.numel() for p in model.parameters())
+
+        def body(phase: Callable[[str], Any]) -> None:
+            x = torch.randn(512, 1024, device=dev)
+            with phase("forward"):
+                loss = model(x).float().pow(2).mean()
+            with phase("backward"):
+                loss.backward()
+            with phase("optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+        def no_phase(name: str) -> Any:
+            return contextlib.nullcontext()
+
+        body(no_phase)  # warm-up: the communicator, optimizer state
+        ctx.sync()
+        baseline = 0
+        if ctx.cuda:
+            with SyncCounter(torch) as plain:
+                for _ in range(steps):
+                    body(no_phase)
+            ctx.sync()
+            baseline = plain.total
+        run = ctx.init("fsdp2")
+        counter = SyncCounter(torch) if ctx.cuda else contextlib.nullcontext()
+        with counter:
+            for _ in range(steps):
+                with run.step():
+                    body(run.phase)
+        ctx.sync()
+        got = ctx.finish(run)
+    finally:
+        dist.destroy_process_group()
+    recs = got["steps"]
+    need([r["step"] for r in recs] == list(range(steps)), f"steps received: {[r['step'] for r in recs]}")
+    sums = []
+    for r in recs:
+        parts = sum((r.get(k) or 0.0) for k in ("data_s", "compute_s", "comm_exposed_s", "other_s"))
+        sums.append(abs(parts - r["step_s"]) / r["step_s"])
+    by_op: dict[str, dict[str, Any]] = {}
+    for c in got["collectives"]:
+        agg = by_op.setdefault(c["op"], {"calls": 0, "bytes": 0, "total_s": 0.0, "exposed_s": 0.0, "no_completion": 0})
+        agg["calls"] += c["calls"]
+        agg["bytes"] += c["bytes"]
+        if c.get("total_s") is None or not c["total_s"] > 0:
+            agg["no_completion"] += 1
+        else:
+            agg["total_s"] += c["total_s"]
+        agg["exposed_s"] += c.get("exposed_s") or 0.0
+    total = sum(a["total_s"] for a in by_op.values())
+    exposed = sum(r.get("comm_exposed_s") or 0.0 for r in recs)
+    step_sum = sum(r["step_s"] for r in recs)
+    detail: dict[str, Any] = {
+        "backend": backend, "steps": steps, "params": n_params, "by_op": by_op,
+        "decomposition_rel_err_max": max(sums), "comm_total_s": total, "comm_exposed_s": exposed,
+        "step_s_sum": step_sum, "compute_s_sum": sum(r.get("compute_s") or 0.0 for r in recs),
+        "incomplete": got["stats"].get("collectives_incomplete"),
+    }
+    need(max(sums) < 1e-4, f"data + compute + exposed comm + other != step_s (max rel. err {max(sums):.2e})")
+    # torch's FSDP2 skips its all_gather and reduce_scatter on a 1-rank group (_fsdp_param_group.py:
+    # "if world_size == 1"): on one GPU only the loop around them is checked; where they run, each
+    # must be recorded per step with a completion time
+    for op in ("all_gather", "reduce_scatter"):
+        r = by_op.get(op)
+        if r is None:
+            continue
+        need(r["calls"] >= steps, f"FSDP2's {op} recorded {r['calls']} times in {steps} steps")
+        need(r["no_completion"] == 0, f"{op}: {r['no_completion']} records without a completion time")
+    if "all_gather" in by_op:  # one gather of the fp32 parameters per forward at least
+        need(by_op["all_gather"]["bytes"] >= steps * 4 * n_params,
+             f"all_gather bytes {by_op['all_gather']['bytes']} < one gather of {n_params} fp32 parameters per step")
+    detail["fsdp2_collectives_issued"] = sorted(by_op)
+    need(not got["stats"].get("collectives_incomplete"), f"incomplete collectives: {got['stats']}")
+    need(0.0 <= exposed <= total + 1e-9 or total == 0.0, f"exposed comm {exposed} s > total comm {total} s")
+    if ctx.cuda:
+        added = counter.total - baseline  # type: ignore[union-attr]
+        detail["syncs_added"] = added
+        need(added == 0, f"the agent added {added} device synchronisations to an FSDP2 loop: {counter.calls}")  # type: ignore[union-attr]
+    if by_op:
+        comm = ", ".join(f"{op} {a['calls']}×" for op, a in sorted(by_op.items()))
+        comm += f", exposed {1e3 * exposed:.2f} of {1e3 * total:.2f} ms"
+    else:
+        comm = "no collectives issued (FSDP2 skips them on a 1-rank group: its stream waits need ≥ 2 GPUs)"
+    line = f"{backend}: {steps} steps, decomposition exact, {comm}"
+    detail["summary"] = line + (", 0 syncs added" if ctx.cuda else "")
+    return detail
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -740,6 +864,7 @@ CHECKS: list[tuple[str, Callable[[Context], Any]]] = [
     ("nccl_collectives", check_collectives),
     ("compile_cudagraphs", check_compile),
     ("graph_collectives", check_graph_collectives),
+    ("fsdp2", check_fsdp2),
 ]
 
 

@@ -98,12 +98,13 @@ def _dumpers() -> list[tuple[str, Callable[..., bytes]]]:
 
     if "torch" not in sys.modules:
         return []
-    try:
-        import importlib
-
-        c10d = importlib.import_module("torch._C._distributed_c10d")
-    except Exception:  # noqa: BLE001 - a build without distributed
-        return []
+    c10d = sys.modules.get("torch._C._distributed_c10d")
+    if c10d is None:
+        try:
+            import torch._C._distributed_c10d  # noqa: F401  # type: ignore[import-not-found,unused-ignore]
+        except Exception:  # noqa: BLE001 - a build without distributed
+            return []
+        c10d = sys.modules.get("torch._C._distributed_c10d")
     out = []
     for src, name in (("nccl", "_dump_nccl_trace"), ("fr", "_dump_fr_trace")):
         fn = getattr(c10d, name, None)

@@ -299,6 +299,31 @@ def _ref_elapsed(a: Any, b: Any, cuda: bool) -> float:
     return a.elapsed_time(b) / 1e3 if cuda else b - a
 
 
+def no_phase(name: str) -> Any:
+    """The phase marks of a step outside any run."""
+    return contextlib.nullcontext()
+
+
+def _train_step(torch: Any, model: Any, opt: Any, batch: int, dev: Any,
+                in_forward: Callable[[], Any] | None = None) -> Callable[[Callable[[str], Any]], None]:
+    """One training step of ``model`` (inputs of 1024 features) in forward / backward / optimizer
+    phases, marked by the ``phase`` it is given (``run.phase``, or ``no_phase``)."""
+
+    def body(phase: Callable[[str], Any]) -> None:
+        x = torch.randn(batch, 1024, device=dev)
+        with phase("forward"):
+            if in_forward is not None:
+                in_forward()
+            loss = model(x).float().pow(2).mean()
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return body
+
+
 def check_step_timing(ctx: Context) -> dict[str, Any]:
     """1: lazily resolved CUDA-event step timing, 0 synchronisations added by the agent."""
     torch = ctx.torch
@@ -310,20 +335,8 @@ def check_step_timing(ctx: Context) -> dict[str, Any]:
     sleep = getattr(torch.cuda, "_sleep", None) if ctx.cuda else None
     cycles = int(ctx.args.sleep_ms * 1e-3 * 1.5e9)  # ~sleep_ms on a 1.5-2 GHz SM clock
 
-    def body(phase: Callable[[str], Any]) -> None:
-        x = torch.randn(256, 1024, device=dev)
-        with phase("forward"):
-            if sleep is not None:
-                sleep(cycles)  # the GPU falls behind the host: steps stay pending, resolved later
-            loss = model(x).float().pow(2).mean()
-        with phase("backward"):
-            loss.backward()
-        with phase("optimizer"):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-    def no_phase(name: str) -> Any:
-        return contextlib.nullcontext()
+    # the GPU falls behind the host (sleep in forward): steps stay pending, resolved later
+    body = _train_step(torch, model, opt, 256, dev, (lambda: sleep(cycles)) if sleep is not None else None)
 
     body(no_phase)  # warm-up outside the run: allocator, cuBLAS handles, optimizer state
     ctx.sync()
@@ -763,19 +776,7 @@ def check_fsdp2(ctx: Context) -> dict[str, Any]:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         n_params = sum(p.numel() for p in model.parameters())
 
-        def body(phase: Callable[[str], Any]) -> None:
-            x = torch.randn(512, 1024, device=dev)
-            with phase("forward"):
-                loss = model(x).float().pow(2).mean()
-            with phase("backward"):
-                loss.backward()
-            with phase("optimizer"):
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-        def no_phase(name: str) -> Any:
-            return contextlib.nullcontext()
-
+        body = _train_step(torch, model, opt, 512, dev)
         body(no_phase)  # warm-up: the communicator, optimizer state
         ctx.sync()
         baseline = 0

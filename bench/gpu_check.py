@@ -281,6 +281,17 @@ class Context:
         need(stats.get("internal_errors", 0) == 0, f"agent internal errors: {stats}")
         return got
 
+    def one_rank_group(self) -> str:
+        """Start a 1-rank process group on 127.0.0.1 (NCCL on the GPU, gloo on CPU); its backend."""
+        import torch.distributed as dist
+
+        port = _free_port()
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        backend = "nccl" if self.cuda else "gloo"
+        kw: dict[str, Any] = {"device_id": self.device} if self.cuda else {}
+        dist.init_process_group(backend, rank=0, world_size=1, **kw)
+        return backend
+
     def sync(self) -> None:
         if self.cuda:
             self.torch.cuda.synchronize()
@@ -576,11 +587,7 @@ def check_collectives(ctx: Context) -> dict[str, Any]:
     import torch.distributed as dist
 
     need(dist.is_available(), "torch.distributed is not available")
-    port = _free_port()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    backend = "nccl" if ctx.cuda else "gloo"
-    kw: dict[str, Any] = {"device_id": ctx.device} if ctx.cuda else {}
-    dist.init_process_group(backend, rank=0, world_size=1, **kw)
+    backend = ctx.one_rank_group()
     # torch 2.13 deprecates the *_tensor names for *_single (a FutureWarning per call); the issue names these
     warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
                             category=FutureWarning)
@@ -700,11 +707,7 @@ def check_graph_collectives(ctx: Context) -> dict[str, Any]:
 
     need(dist.is_available(), "torch.distributed is not available")
     need(flight_recorder.available(), "this torch has no Flight Recorder dump (_dump_nccl_trace / _dump_fr_trace)")
-    port = _free_port()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    backend = "nccl" if ctx.cuda else "gloo"
-    kw: dict[str, Any] = {"device_id": ctx.device} if ctx.cuda else {}
-    dist.init_process_group(backend, rank=0, world_size=1, **kw)
+    backend = ctx.one_rank_group()
     steps = max(4, ctx.args.steps // 4)
     numel = 1 << 20  # 4 MiB fp32
 
@@ -758,11 +761,7 @@ def check_fsdp2(ctx: Context) -> dict[str, Any]:
         except ImportError:
             return "this torch has no fully_shard (FSDP2)"
     need(dist.is_available(), "torch.distributed is not available")
-    port = _free_port()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    backend = "nccl" if ctx.cuda else "gloo"
-    kw: dict[str, Any] = {"device_id": ctx.device} if ctx.cuda else {}
-    dist.init_process_group(backend, rank=0, world_size=1, **kw)
+    backend = ctx.one_rank_group()
     steps = max(4, ctx.args.steps // 2)
     dev = ctx.device
     try:

@@ -36,6 +36,9 @@ per check. Checks:
 7. ``fsdp2``: an FSDP2 (``fully_shard``) loop with AdamW on a 1-rank NCCL group: every step's
    decomposition adds up to its step time, 0 synchronisations added. torch's FSDP2 issues no
    all_gather / reduce_scatter on a 1-rank group, so its stream waits need two GPUs or more.
+8. ``zero_code``: an unmodified DDP script under ``fleetscope run``'s environment (torchrun, one
+   process, NCCL), bf16 autocast and plain fp32: steps exact, FLOPs measured = the hand count, dtype
+   from autocast / parameters, the peak from the device table for bf16 and none for fp32.
 
 Prints one ``PASS``/``FAIL``/``SKIP``/``NOT RUN`` line per check as it finishes, then the JSON
 summary (also written to ``--json PATH``). Exit status: 0 when nothing failed, 1 when a check
@@ -850,6 +853,115 @@ def check_fsdp2(ctx: Context) -> dict[str, Any]:
     return detail
 
 
+ZERO_CODE_JOB = r"""
+import os, sys
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+mode, steps = sys.argv[1], int(sys.argv[2])
+cuda = torch.cuda.is_available() and os.environ.get("GPU_CHECK_CPU") != "1"
+torch.set_num_threads(1)
+dist.init_process_group("nccl" if cuda else "gloo")
+dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+if cuda:
+    torch.cuda.set_device(dev)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).to(dev)
+ddp = DDP(model, device_ids=[0] if cuda else None)
+opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+for _ in range(steps):
+    x = torch.randn(256, 1024, device=dev)
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=(mode == "bf16")):
+        loss = ddp(x).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+if cuda:
+    torch.cuda.synchronize()
+dist.destroy_process_group()
+print("zero-code job done", steps)
+"""
+# FLOPs of one step of that job: forward 2·B·I·O per Linear, the weight gradients as much again, and the
+# input gradient of the second Linear only (the input of the first needs none); I·O = 1024·4096 for both
+ZERO_CODE_FLOPS = 2 * 256 * 5 * 1024 * 4096
+
+
+def check_zero_code(ctx: Context) -> dict[str, Any]:
+    """8: an unmodified DDP script under ``fleetscope run``'s environment (the generated sitecustomize,
+    torchrun, one process, NCCL), bf16 autocast and plain fp32: every step recorded with an exact
+    decomposition, the FLOPs measured = the hand count, the dtype found from autocast / the parameters
+    and the peak from the device table (bf16 on an H200: 989 TFLOP/s; fp32: none, no guessing), the
+    device named, the run finished."""
+
+    from fleetscope import launcher
+
+    steps = max(6, ctx.args.steps // 2)
+    detail: dict[str, Any] = {"steps": steps, "expected_flops": ZERO_CODE_FLOPS}
+    with tempfile.TemporaryDirectory(prefix="fs-gpu-zero-") as tmp:
+        script = os.path.join(tmp, "job.py")
+        with open(script, "w") as f:
+            f.write(ZERO_CODE_JOB)
+        site = os.path.join(tmp, "site")
+        os.makedirs(site)
+        with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+            f.write(launcher.SITECUSTOMIZE)
+        for mode in ("bf16", "fp32"):
+            detail[mode] = _zero_code_job(ctx, launcher, site, script, mode, steps)
+    b, f32 = detail["bf16"], detail["fp32"]
+    detail["summary"] = (f"{steps} steps each, FLOPs = hand count (±{100 * max(b['flops_rel_err'], f32['flops_rel_err']):.2f} %), "
+                         f"bf16 ({b['dtype_source']}) peak {b['peak_flops']}, fp32 ({f32['dtype_source']}) peak "
+                         f"{f32['peak_flops']}, device {b['device_name']}, collectives {b['collective_ops']}")
+    return detail
+
+
+def _zero_code_job(ctx: Context, launcher: Any, site: str, script: str, mode: str, steps: int) -> dict[str, Any]:
+    import subprocess
+
+    name = f"gpu-check-zero-code-{mode}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", script, mode, str(steps)]
+    env = launcher.launch_env(site, cmd, name=name, family="gpu-check", server=ctx.receiver.url, token=TOKEN)
+    env.update(FLEETSCOPE_SPOOL_DIR=ctx.spool, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if not ctx.cuda:
+        env.update(GPU_CHECK_CPU="1", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    need(res.returncode == 0 and "zero-code job done" in res.stdout,
+         f"{mode} job failed ({res.returncode}): {res.stdout[-1500:]} {res.stderr[-3000:]}")
+    rid = ctx.receiver.runs.get(name)
+    need(rid is not None, f"{mode}: the job never registered a run (stderr: {res.stderr[-2000:]})")
+    assert rid is not None
+    deadline = time.monotonic() + 30
+    while ctx.receiver.finishes.get(rid) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    need(ctx.receiver.finishes.get(rid) == "finished", f"{mode}: run finish {ctx.receiver.finishes.get(rid)!r}")
+    info = ctx.receiver.run_info[rid]
+    meta = info.get("meta") or {}
+    recs = sorted(ctx.receiver.rows(rid, "rank_steps"), key=lambda r: r["step"])
+    need([r["step"] for r in recs] == list(range(steps)), f"{mode}: steps {[r['step'] for r in recs]}")
+    errs = [abs(sum((r.get(k) or 0.0) for k in ("data_s", "compute_s", "comm_exposed_s", "other_s")) - r["step_s"])
+            / r["step_s"] for r in recs]
+    need(max(errs) < 1e-4, f"{mode}: decomposition off by {max(errs):.2e}")
+    flops = [r.get("flops") for r in recs if r.get("flops")]
+    need(flops, f"{mode}: no FLOPs measured")
+    ferr = max(abs(f - ZERO_CODE_FLOPS) / ZERO_CODE_FLOPS for f in flops)
+    need(ferr < 0.01, f"{mode}: FLOPs {flops[:3]} vs hand count {ZERO_CODE_FLOPS}")
+    colls = ctx.receiver.rows(rid, "collectives")
+    d = {"dtype": meta.get("dtype"), "dtype_source": meta.get("dtype_source"), "peak_flops": info.get("peak_flops"),
+         "peak_flops_source": meta.get("peak_flops_source"), "device_type": info.get("device_type"),
+         "device_name": meta.get("device_name"), "flops_rel_err": ferr, "flops_steps": len(flops),
+         "median_step_s": statistics.median(r["step_s"] for r in recs),
+         "collective_ops": sorted({c["op"] for c in colls}), "instrumented_by": meta.get("instrumented_by")}
+    need(d["instrumented_by"] == "fleetscope run", f"{mode}: not instrumented by the launcher: {meta}")
+    need(d["dtype"] == mode, f"{mode}: dtype recorded {d['dtype']!r} ({d['dtype_source']})")
+    if ctx.cuda:
+        need(d["device_type"] not in (None, "cpu"), f"{mode}: device_type {d['device_type']!r}")
+        if mode == "bf16" and d["device_type"] == "H200":
+            need(d["peak_flops"] == 989e12, f"bf16 on an H200: peak {d['peak_flops']}")
+        if mode == "fp32":
+            need(d["peak_flops"] is None, f"fp32: a peak was guessed: {d['peak_flops']}")
+    return d
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -865,6 +977,7 @@ CHECKS: list[tuple[str, Callable[[Context], Any]]] = [
     ("compile_cudagraphs", check_compile),
     ("graph_collectives", check_graph_collectives),
     ("fsdp2", check_fsdp2),
+    ("zero_code", check_zero_code),
 ]
 
 

@@ -1,6 +1,6 @@
 """On a real CUDA device, what only fakes have exercised in the test suite (issue #11, item 7).
 
-    python bench/gpu_check.py                 # one CUDA GPU, about 1-2 minutes (bound: --timeout 280 s)
+    python bench/gpu_check.py                 # one CUDA GPU, about 1 minute (bound: --timeout 280 s)
     python bench/gpu_check.py --cpu-dry-run   # no GPU: the plumbing of every check runs on CPU
 
 Run from the repository root after ``pip install -e .`` (and torch with CUDA). Nothing else: the

@@ -39,6 +39,9 @@ per check. Checks:
 8. ``zero_code``: an unmodified DDP script under ``fleetscope run``'s environment (torchrun, one
    process, NCCL), bf16 autocast and plain fp32: steps exact, FLOPs measured = the hand count, dtype
    from autocast / parameters, the peak from the device table for bf16 and none for fp32.
+9. ``framework_scalars``: Lightning (``self.log`` of a loss tensor on the GPU) and the HF Trainer (bf16,
+   accumulation 2) unmodified under ``fleetscope run``'s environment: the captured ``lightning/…`` and
+   ``hf/…`` scalars equal the frameworks' own values, HF's tokens per step, steps, FLOPs, dtype, peak.
 
 Prints one ``PASS``/``FAIL``/``SKIP``/``NOT RUN`` line per check as it finishes, then the JSON
 summary (also written to ``--json PATH``). Exit status: 0 when nothing failed, 1 when a check
@@ -962,6 +965,186 @@ def _zero_code_job(ctx: Context, launcher: Any, site: str, script: str, mode: st
     return d
 
 
+LIGHTNING_JOB = r"""
+import json, os, sys
+import torch
+import lightning as L
+
+out, steps = sys.argv[1], int(sys.argv[2])
+cuda = torch.cuda.is_available() and os.environ.get("GPU_CHECK_CPU") != "1"
+
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(64, 1)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss)  # a tensor on the device
+        self.log("lr", self.optimizers().param_groups[0]["lr"])
+        self.seen.append(loss.detach())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+torch.manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(8 * steps, 64), torch.randn(8 * steps, 1))
+model = Net()
+trainer = L.Trainer(max_steps=steps, accelerator="gpu" if cuda else "cpu", devices=1, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    log_every_n_steps=1)
+trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+with open(os.path.join(out, "seen.json"), "w") as f:
+    json.dump([float(v) for v in model.seen], f)
+print("lightning job done")
+"""
+
+HF_JOB = r"""
+import json, os, sys
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+out, steps, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+cuda = torch.cuda.is_available() and os.environ.get("GPU_CHECK_CPU") != "1"
+B, T = 4, 16
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.ids = torch.randint(0, 64, (n, T), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+torch.manual_seed(0)
+cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=T, bos_token_id=0, eos_token_id=0)
+args = TrainingArguments(output_dir=out, per_device_train_batch_size=B, gradient_accumulation_steps=k,
+                         max_steps=steps, learning_rate=1e-3, warmup_steps=2, save_strategy="no", report_to=[],
+                         use_cpu=not cuda, bf16=cuda, dataloader_num_workers=0, disable_tqdm=True, logging_steps=1,
+                         seed=0, max_grad_norm=1.0)
+trainer = Trainer(model=GPT2LMHeadModel(cfg), args=args, train_dataset=Tokens(2 * steps * k * B))
+trainer.train()
+with open(os.path.join(out, "log_history.json"), "w") as f:
+    json.dump(trainer.state.log_history, f)
+print("hf job done")
+"""
+# the HF job's FLOPs per micro-batch (tests/e2e/test_frameworks.py): per layer the qkv, output and MLP
+# matmuls 2·BT·12d² and attention 4·B·T²·d, the LM head 2·BT·d·V, forward and backward (×3)
+HF_B, HF_T, HF_D, HF_V, HF_L = 4, 16, 32, 64, 2
+HF_FLOPS = 3 * (HF_L * (24 * HF_B * HF_T * HF_D**2 + 4 * HF_B * HF_T**2 * HF_D) + 2 * HF_B * HF_T * HF_D * HF_V)
+
+
+def check_framework_scalars(ctx: Context) -> dict[str, Any]:
+    """9: Lightning and the HF Trainer on the device, unmodified under ``fleetscope run``'s environment:
+    Lightning's ``self.log`` metrics — tensors on the GPU — arrive as ``lightning/…`` scalars equal to
+    the job's own values, one per optimizer step (copied to the host without blocking: never a device
+    sync); the HF Trainer with bf16 and accumulation: ``hf/loss`` / ``hf/learning_rate`` at HF's steps,
+    the tokens of every micro-batch, steps exact, dtype bf16 with the device's peak, the FLOPs of every
+    micro-batch."""
+    import subprocess
+
+    from fleetscope import launcher
+
+    steps, k = 6, 2
+    detail: dict[str, Any] = {"steps": steps}
+    with tempfile.TemporaryDirectory(prefix="fs-gpu-fw-") as tmp:
+        site = os.path.join(tmp, "site")
+        os.makedirs(site)
+        with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+            f.write(launcher.SITECUSTOMIZE)
+        got: dict[str, tuple[int, list[dict[str, Any]], str]] = {}
+        for fw, src, argv in (("lightning", LIGHTNING_JOB, [str(steps)]), ("hf", HF_JOB, [str(steps), str(k)])):
+            script = os.path.join(tmp, f"job_{fw}.py")  # not lightning.py: it would shadow the package
+            with open(script, "w") as f:
+                f.write(src)
+            out = os.path.join(tmp, f"out-{fw}")
+            os.makedirs(out)
+            name = f"gpu-check-{fw}"
+            cmd = [sys.executable, script, out, *argv]
+            env = launcher.launch_env(site, cmd, name=name, family="gpu-check", server=ctx.receiver.url, token=TOKEN)
+            env.update(FLEETSCOPE_SPOOL_DIR=ctx.spool, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
+                       TOKENIZERS_PARALLELISM="false", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+            if not ctx.cuda:
+                env.update(GPU_CHECK_CPU="1", CUDA_VISIBLE_DEVICES="")
+            res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+            need(res.returncode == 0 and f"{fw} job done" in res.stdout,
+                 f"{fw} job failed ({res.returncode}): {res.stdout[-1500:]} {res.stderr[-3000:]}")
+            need("internal error" not in res.stderr, f"{fw}: agent error: {res.stderr[-3000:]}")
+            rid = ctx.receiver.runs.get(name)
+            need(rid is not None, f"{fw}: no run registered (stderr: {res.stderr[-2000:]})")
+            assert rid is not None
+            deadline = time.monotonic() + 30
+            while ctx.receiver.finishes.get(rid) is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            need(ctx.receiver.finishes.get(rid) == "finished", f"{fw}: run finish {ctx.receiver.finishes.get(rid)!r}")
+            got[fw] = (rid, ctx.receiver.events(rid), out)
+
+        # Lightning: device tensors, read once their host copy is done
+        rid, events, out = got["lightning"]
+        with open(os.path.join(out, "seen.json")) as f:
+            seen = json.load(f)
+        sc = _scalars(events)
+        loss = sc.get("lightning/train_loss", {})
+        need(sorted(loss) == list(range(steps)), f"lightning/train_loss at steps {sorted(loss)}, {steps} made: {sorted(sc)}")
+        lerr = max(abs(loss[i] - v) / max(abs(v), 1e-12) for i, v in enumerate(seen))
+        need(lerr < 1e-5, f"lightning/train_loss {[loss[i] for i in sorted(loss)]} vs the job's {seen}")
+        lr = sc.get("lightning/lr", {})
+        need(len(lr) == steps and all(abs(v - 0.05) < 1e-6 for v in lr.values()), f"lightning/lr {lr}")  # float32
+        detail["lightning"] = {"loss_steps": len(loss), "loss_rel_err": lerr, "names": sorted(sc)}
+
+        # HF Trainer: bf16 autocast on the GPU, accumulation k
+        rid, events, out = got["hf"]
+        with open(os.path.join(out, "log_history.json")) as f:
+            hist = [h for h in json.load(f) if "loss" in h]
+        sc = _scalars(events)
+        hf_loss = sc.get("hf/loss", {})
+        need(len(hist) == steps and sorted(hf_loss) == [h["step"] - 1 for h in hist],
+             f"hf/loss at steps {sorted(hf_loss)}, HF logged {[h['step'] for h in hist]}")
+        herr = max(abs(hf_loss[h["step"] - 1] - h["loss"]) / max(abs(h["loss"]), 1e-12) for h in hist)
+        need(herr < 1e-6, f"hf/loss differs from HF's log by {herr:.2e}")
+        need("hf/learning_rate" in sc, f"no hf/learning_rate: {sorted(sc)}")
+        recs = sorted(ctx.receiver.rows(rid, "rank_steps"), key=lambda r: r["step"])
+        need([r["step"] for r in recs] == list(range(steps)), f"hf: steps {[r['step'] for r in recs]}")
+        need(all(r.get("tokens") == k * 4 * 16 for r in recs), f"hf tokens per step {[r.get('tokens') for r in recs]}")
+        flops = [r.get("flops") or 0.0 for r in recs]
+        ferr = max(abs(f - k * HF_FLOPS) / (k * HF_FLOPS) for f in flops)
+        info = ctx.receiver.run_info[rid]
+        meta = info.get("meta") or {}
+        detail["hf"] = {"steps": len(recs), "loss_rel_err": herr, "flops_rel_err": ferr, "dtype": meta.get("dtype"),
+                        "dtype_source": meta.get("dtype_source"), "peak_flops": info.get("peak_flops"),
+                        "device_type": info.get("device_type"), "names": sorted(sc)}
+        # the attention kernels' backward is counted by kernel (math on CPU, flash / efficient on a GPU):
+        # within 3 % of the hand count, which takes the backward as twice the forward
+        need(ferr < 0.03, f"hf FLOPs per step {flops[:3]} vs {k} × {HF_FLOPS}")
+        if ctx.cuda:
+            need(meta.get("dtype") == "bf16", f"hf bf16 job recorded dtype {meta.get('dtype')!r} ({meta.get('dtype_source')})")
+            if info.get("device_type") == "H200":
+                need(info.get("peak_flops") == 989e12, f"hf on an H200: peak {info.get('peak_flops')}")
+    detail["summary"] = (f"lightning: {steps} device-tensor losses = the job's (±{detail['lightning']['loss_rel_err']:.1e}); "
+                         f"hf: {steps} steps, hf/loss = HF's log, tokens {k * 64}/step, FLOPs ±{100 * ferr:.2f} %, "
+                         f"dtype {detail['hf']['dtype']} ({detail['hf']['dtype_source']}), peak {detail['hf']['peak_flops']}")
+    return detail
+
+
+def _scalars(events: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """``scalars`` events → name → step → value."""
+    out: dict[str, dict[int, float]] = {}
+    for e in events:
+        if e.get("kind") == "scalars":
+            for name, v in (e.get("data") or {}).items():
+                out.setdefault(name, {})[int(e["step"])] = float(v)
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -978,6 +1161,7 @@ CHECKS: list[tuple[str, Callable[[Context], Any]]] = [
     ("graph_collectives", check_graph_collectives),
     ("fsdp2", check_fsdp2),
     ("zero_code", check_zero_code),
+    ("framework_scalars", check_framework_scalars),
 ]
 
 

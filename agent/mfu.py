@@ -121,6 +121,9 @@ def detect_dtype(model: Any = None) -> tuple[str | None, str]:
                 name = dtype_name(_autocast_dtype(torch, d))
                 if name:
                     return name, "autocast"
+        name = dtype_name(_forward_autocast(torch, model)) if model is not None else None
+        if name:
+            return name, "autocast"
         if by_dtype:
             name = dtype_name(max(by_dtype.items(), key=lambda kv: kv[1])[0])
             if name:
@@ -140,6 +143,35 @@ def _autocast_on(torch: Any, device: str) -> bool:
         return bool(fn()) if device == "cpu" and fn is not None else False
     except Exception:  # noqa: BLE001 - a device type this torch does not know
         return False
+
+
+def _forward_autocast(torch: Any, model: Any) -> Any:
+    """The dtype of an enabled autocast that wraps ``model.forward`` itself, or None. Accelerate (and so
+    the HF Trainer with ``bf16=True``) and ``@torch.autocast``-decorated forwards enter autocast inside
+    ``forward``, after the module's forward pre-hooks, where the autocast state still reads off: the
+    wrapper chain (``__wrapped__``, bound ``__func__``, accelerate's ``model_forward``) is walked and
+    each function's closure searched for an ``autocast`` instance."""
+    cls = getattr(getattr(torch, "amp", None), "autocast", None) or getattr(torch, "autocast", None)
+    if not isinstance(cls, type):
+        return None
+    for _ in range(3):  # DDP / FSDP wrap the module accelerate patched: look through ``.module``
+        f = getattr(model, "forward", None)
+        for _ in range(8):
+            if f is None:
+                break
+            fn = getattr(f, "__func__", f)
+            for cell in getattr(fn, "__closure__", None) or ():
+                try:
+                    v = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if isinstance(v, cls) and getattr(v, "_enabled", True):
+                    return getattr(v, "fast_dtype", None)
+            f = getattr(fn, "__wrapped__", None) or getattr(fn, "model_forward", None)
+        model = getattr(model, "module", None)
+        if model is None:
+            return None
+    return None
 
 
 def _autocast_dtype(torch: Any, device: str) -> Any:

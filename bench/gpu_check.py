@@ -925,6 +925,8 @@ def _zero_code_job(ctx: Context, launcher: Any, site: str, script: str, mode: st
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", script, mode, str(steps)]
     env = launcher.launch_env(site, cmd, name=name, family="gpu-check", server=ctx.receiver.url, token=TOKEN)
     env.update(FLEETSCOPE_SPOOL_DIR=ctx.spool, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for var in _GROUP_ENV:  # torchrun sets its own
+        env.pop(var, None)
     if not ctx.cuda:
         env.update(GPU_CHECK_CPU="1", CUDA_VISIBLE_DEVICES="")
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
@@ -1073,6 +1075,8 @@ def check_framework_scalars(ctx: Context) -> dict[str, Any]:
             env = launcher.launch_env(site, cmd, name=name, family="gpu-check", server=ctx.receiver.url, token=TOKEN)
             env.update(FLEETSCOPE_SPOOL_DIR=ctx.spool, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
                        TOKENIZERS_PARALLELISM="false", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+            for var in _GROUP_ENV:  # the 1-rank groups of earlier checks set these in this process
+                env.pop(var, None)
             if not ctx.cuda:
                 env.update(GPU_CHECK_CPU="1", CUDA_VISIBLE_DEVICES="")
             res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
@@ -1143,6 +1147,9 @@ def _scalars(events: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
             for name, v in (e.get("data") or {}).items():
                 out.setdefault(name, {})[int(e["step"])] = float(v)
     return out
+
+
+_GROUP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 def _free_port() -> int:

@@ -200,6 +200,45 @@ def test_dtype_is_detected_from_autocast_and_parameters() -> None:
     assert mfu.detect_dtype() == ("fp32", "default")
 
 
+def test_an_autocast_inside_forward_is_found_before_it_is_entered() -> None:
+    """Accelerate (the HF Trainer with ``bf16=True``) enters autocast inside ``model.forward``: the
+    forward is replaced by an autocast-decorated one, wrapped again to cast outputs to fp32, and DDP
+    wraps the module afterwards. At the first forward's pre-hook autocast is still off; the dtype is
+    read from the wrapper (found on a real H200 by bench/gpu_check.py: such jobs recorded fp32)."""
+    import functools
+    from types import MethodType
+
+    import torch
+
+    class ConvertOutputs:  # accelerate.utils.operations.ConvertOutputsToFp32, in shape
+        def __init__(self, fwd: Any) -> None:
+            self.model_forward = fwd
+            functools.update_wrapper(self, fwd)
+
+        def __call__(self, *a: Any, **k: Any) -> Any:
+            return self.model_forward(*a, **k).float()
+
+    m = torch.nn.Linear(4, 4)
+    fwd = torch.autocast("cpu", dtype=torch.bfloat16)(m.forward.__func__)
+    m.forward = MethodType(fwd, m)  # type: ignore[method-assign]
+    m.forward = MethodType(ConvertOutputs(m.forward.__func__), m)  # type: ignore[method-assign]
+    assert mfu.detect_dtype(m) == ("bf16", "autocast")
+
+    class Wrapper(torch.nn.Module):  # DDP / FSDP(1): the patched module is ``.module``
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+
+        def forward(self, x: Any) -> Any:
+            return self.module(x)
+
+    assert mfu.detect_dtype(Wrapper(m)) == ("bf16", "autocast")
+    plain = torch.nn.Linear(4, 4)
+    plain.forward = MethodType(torch.autocast("cpu", dtype=torch.bfloat16, enabled=False)(plain.forward.__func__), plain)  # type: ignore[method-assign]
+    assert mfu.detect_dtype(plain) == ("fp32", "parameters")  # a disabled autocast is no autocast
+    assert mfu.detect_dtype(Wrapper(torch.nn.Linear(4, 4))) == ("fp32", "parameters")
+
+
 def _h100(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(agent_env, "detect_device", lambda *a, **k: agent_env.DeviceEnv(
         device_type="H100", device_name="NVIDIA H100 80GB HBM3", device_count=1))

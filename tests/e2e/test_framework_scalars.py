@@ -1,5 +1,5 @@
 """Framework metrics under ``fleetscope run`` with no script change (one CPU process each, tiny models,
-a real server): the Hugging Face ``Trainer``'s logged loss, learning rate and grad norm arrive as
+a real server): the Hugging Face ``Trainer``'s (bf16) logged loss, learning rate and grad norm arrive as
 ``hf/…`` scalars at the steps HF logged them, with HF's own FLOP estimate (``hf/total_flos``) and the
 tokens each step consumed (so ``tokens_per_s`` is measured); Lightning's ``self.log`` metrics arrive
 as ``lightning/…`` scalars, one value per optimizer step. The scripts know nothing of fleetscope: they
@@ -52,8 +52,8 @@ torch.manual_seed(0)
 cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=T, bos_token_id=0, eos_token_id=0)
 args = TrainingArguments(output_dir=OUT, per_device_train_batch_size=B, gradient_accumulation_steps=K,
                          max_steps=STEPS, learning_rate=1e-3, warmup_steps=2, save_strategy="no", report_to=[],
-                         use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, logging_steps=1, seed=0,
-                         max_grad_norm=1.0)
+                         use_cpu=True, bf16=True, dataloader_num_workers=0, disable_tqdm=True, logging_steps=1,
+                         seed=0, max_grad_norm=1.0)
 trainer = Trainer(model=GPT2LMHeadModel(cfg), args=args, train_dataset=Tokens(2 * STEPS * K * B))
 trainer.train()
 with open(OUT + "/log_history.json", "w") as f:
@@ -147,6 +147,11 @@ def test_hf_trainer_loss_lr_grad_norm_flops_and_tokens_arrive_without_a_script_c
     with live_server.state.engine.connect() as c:
         from sqlalchemy import text
 
+        # bf16=True: accelerate enters autocast inside the model's forward, after the hook that starts the
+        # run; the dtype is read from that wrapper, not from the fp32 parameters
+        dtype = c.execute(text("SELECT meta->>'dtype', meta->>'dtype_source' FROM runs WHERE id = :r"),
+                          {"r": run["id"]}).one()
+        assert tuple(dtype) == ("bf16", "autocast"), dtype
         said = c.execute(text("SELECT data FROM run_events WHERE run_id = :r AND kind = 'framework_capture'"),
                          {"r": run["id"]}).fetchall()
     assert [d for (d,) in said] == [{"framework": "hf_trainer", "tokens": "input_ids.numel per micro-batch"}], events

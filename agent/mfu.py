@@ -411,7 +411,11 @@ def _split_counter_class() -> Any:
             res = super()._count_flops(func_packet, out, args, kwargs)
             try:
                 n = g.get(func_packet, 0) - before
-                if n:
+                r = _attention_recompute(func_packet, n, args) if n else 0
+                if r:  # a fused attention backward: its score recompute is hardware work, not the model's
+                    self.rec += r
+                    self.bwd += n - r
+                elif n:
                     if task_id() == -1:
                         self.fwd += n
                     elif grad_on():  # a forward re-run inside backward: activation checkpointing
@@ -424,6 +428,30 @@ def _split_counter_class() -> Any:
 
     _split_cls = SplitFlopCounterMode
     return _split_cls
+
+
+#: fused attention backward kernels: torch's FLOP formula (``sdpa_backward_flop_count``) counts five
+#: matmuls, the first recomputing the score matrix Q·Kᵀ the forward did not keep
+_ATTENTION_BACKWARD = frozenset({
+    "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_cudnn_attention_backward", "_flash_attention_backward", "_efficient_attention_backward",
+})  # fmt: skip
+
+
+def _attention_recompute(func_packet: Any, n: int, args: Any) -> int:
+    """The FLOPs of a fused attention backward's score recompute (0 for any other op): of its
+    ``2·b·h·s_q·s_k·(3·d_q + 2·d_v)`` the ``2·b·h·s_q·s_k·d_q`` of Q·Kᵀ (query = args[1], value =
+    args[3]; their last dim is the head dim in both layouts). Counting it as recompute keeps model
+    FLOPs at the convention (attention backward = twice its forward, as the math path counts it) while
+    hardware FLOPs keep it."""
+    name = str(getattr(func_packet, "__name__", func_packet)).rsplit(".", 1)[-1]
+    if name not in _ATTENTION_BACKWARD:
+        return 0
+    try:
+        dq, dv = int(args[1].shape[-1]), int(args[3].shape[-1])
+        return n * dq // (3 * dq + 2 * dv)
+    except Exception:  # noqa: BLE001 - other arguments: equal head dims
+        return n // 5
 
 
 def _has_fake(types: Any) -> bool:

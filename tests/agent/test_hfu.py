@@ -66,6 +66,37 @@ def test_plain_model_has_no_recomputation() -> None:
     assert meter.recompute == 0
 
 
+@pytest.mark.parametrize("dv", [32, 64])
+def test_a_fused_attention_backward_recomputes_its_scores_as_hardware_work(dv: int) -> None:
+    """The fused attention kernels (flash / memory-efficient / cuDNN: what SDPA runs on a GPU) keep no
+    score matrix; torch's FLOP formula for their backward counts five matmuls, the first recomputing
+    Q·Kᵀ. That one is recompute (hardware FLOPs), so model FLOPs of attention stay backward = 2 ×
+    forward, as the math path (CPU) counts them (seen on an H200: an HF Trainer job's FLOPs were 1.2 %
+    above the hand count). Meta tensors give the shapes; the counter is fed as its dispatch mode would."""
+    import torch
+
+    aten = torch.ops.aten
+    b, h, s, d = 2, 4, 128, 32
+    q, k, go = (torch.randn(b, h, s, d, device="meta") for _ in range(3))
+    v = torch.randn(b, h, s, dv, device="meta")
+    go = torch.randn(b, h, s, dv, device="meta")
+    out = aten._scaled_dot_product_efficient_attention(q, k, v, None, True)
+    args = (go, q, k, v, None, out[0], out[1], out[2], out[3], 0.0, [True, True, True, False])
+    grads = aten._scaled_dot_product_efficient_attention_backward(*args)
+    mode = mfu._split_counter_class()(display=False)
+    mode._count_flops(aten._scaled_dot_product_efficient_attention, out, (q, k, v, None, True), {})
+    mode._count_flops(aten._scaled_dot_product_efficient_attention_backward, grads, args, {})
+    fwd = 2 * b * h * s * s * (d + dv)  # Q·Kᵀ and P·V
+    assert mode.fwd == fwd
+    assert mode.rec == 2 * b * h * s * s * d  # Q·Kᵀ again
+    assert mode.bwd == 2 * fwd  # dV, dP, dQ, dK: the model's backward
+    assert mode.get_total_flops() == mode.fwd + mode.bwd + mode.rec
+    # any other op is left to the forward / backward / recompute rule
+    mode._count_flops(aten.mm, torch.empty(4, 4, device="meta"),
+                      (torch.empty(4, 8, device="meta"), torch.empty(8, 4, device="meta")), {})
+    assert mode.rec == 2 * b * h * s * s * d and mode.fwd == fwd + 2 * 4 * 8 * 4
+
+
 def test_agent_records_model_flops_per_real_token_and_hardware_flops_per_position() -> None:
     import torch
     from ckpt_model import D_IN, Net, expectations

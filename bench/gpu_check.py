@@ -918,27 +918,37 @@ def check_zero_code(ctx: Context) -> dict[str, Any]:
     return detail
 
 
-def _zero_code_job(ctx: Context, launcher: Any, site: str, script: str, mode: str, steps: int) -> dict[str, Any]:
+def _launched(ctx: Context, launcher: Any, site: str, name: str, cmd: list[str], done_line: str,
+              extra_env: dict[str, str], timeout: float) -> int:
+    """Run ``cmd`` in ``fleetscope run``'s environment (``site`` holds the generated sitecustomize) as run
+    ``name`` against the receiver; check it printed ``done_line`` and its run finished; its run id."""
     import subprocess
 
-    name = f"gpu-check-zero-code-{mode}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", script, mode, str(steps)]
     env = launcher.launch_env(site, cmd, name=name, family="gpu-check", server=ctx.receiver.url, token=TOKEN)
-    env.update(FLEETSCOPE_SPOOL_DIR=ctx.spool, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for var in _GROUP_ENV:  # torchrun sets its own
+    env.update(FLEETSCOPE_SPOOL_DIR=ctx.spool, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra_env)
+    for var in _GROUP_ENV:  # set in this process by the 1-rank groups of earlier checks; torchrun sets its own
         env.pop(var, None)
     if not ctx.cuda:
         env.update(GPU_CHECK_CPU="1", CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    need(res.returncode == 0 and "zero-code job done" in res.stdout,
-         f"{mode} job failed ({res.returncode}): {res.stdout[-1500:]} {res.stderr[-3000:]}")
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    need(res.returncode == 0 and done_line in res.stdout,
+         f"{name} failed ({res.returncode}): {res.stdout[-1500:]} {res.stderr[-3000:]}")
+    need("internal error" not in res.stderr, f"{name}: agent error: {res.stderr[-3000:]}")
     rid = ctx.receiver.runs.get(name)
-    need(rid is not None, f"{mode}: the job never registered a run (stderr: {res.stderr[-2000:]})")
+    need(rid is not None, f"{name}: the job never registered a run (stderr: {res.stderr[-2000:]})")
     assert rid is not None
     deadline = time.monotonic() + 30
     while ctx.receiver.finishes.get(rid) is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    need(ctx.receiver.finishes.get(rid) == "finished", f"{mode}: run finish {ctx.receiver.finishes.get(rid)!r}")
+    need(ctx.receiver.finishes.get(rid) == "finished", f"{name}: run finish {ctx.receiver.finishes.get(rid)!r}")
+    return int(rid)
+
+
+def _zero_code_job(ctx: Context, launcher: Any, site: str, script: str, mode: str, steps: int) -> dict[str, Any]:
+
+    name = f"gpu-check-zero-code-{mode}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", script, mode, str(steps)]
+    rid = _launched(ctx, launcher, site, name, cmd, "zero-code job done", {}, 180)
     info = ctx.receiver.run_info[rid]
     meta = info.get("meta") or {}
     recs = sorted(ctx.receiver.rows(rid, "rank_steps"), key=lambda r: r["step"])
@@ -1052,7 +1062,6 @@ def check_framework_scalars(ctx: Context) -> dict[str, Any]:
     sync); the HF Trainer with bf16 and accumulation: ``hf/loss`` / ``hf/learning_rate`` at HF's steps,
     the tokens of every micro-batch, steps exact, dtype bf16 with the device's peak, the FLOPs of every
     micro-batch."""
-    import subprocess
 
     from fleetscope import launcher
 
@@ -1072,24 +1081,8 @@ def check_framework_scalars(ctx: Context) -> dict[str, Any]:
             os.makedirs(out)
             name = f"gpu-check-{fw}"
             cmd = [sys.executable, script, out, *argv]
-            env = launcher.launch_env(site, cmd, name=name, family="gpu-check", server=ctx.receiver.url, token=TOKEN)
-            env.update(FLEETSCOPE_SPOOL_DIR=ctx.spool, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
-                       TOKENIZERS_PARALLELISM="false", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
-            for var in _GROUP_ENV:  # the 1-rank groups of earlier checks set these in this process
-                env.pop(var, None)
-            if not ctx.cuda:
-                env.update(GPU_CHECK_CPU="1", CUDA_VISIBLE_DEVICES="")
-            res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-            need(res.returncode == 0 and f"{fw} job done" in res.stdout,
-                 f"{fw} job failed ({res.returncode}): {res.stdout[-1500:]} {res.stderr[-3000:]}")
-            need("internal error" not in res.stderr, f"{fw}: agent error: {res.stderr[-3000:]}")
-            rid = ctx.receiver.runs.get(name)
-            need(rid is not None, f"{fw}: no run registered (stderr: {res.stderr[-2000:]})")
-            assert rid is not None
-            deadline = time.monotonic() + 30
-            while ctx.receiver.finishes.get(rid) is None and time.monotonic() < deadline:
-                time.sleep(0.2)
-            need(ctx.receiver.finishes.get(rid) == "finished", f"{fw}: run finish {ctx.receiver.finishes.get(rid)!r}")
+            hf_env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+            rid = _launched(ctx, launcher, site, name, cmd, f"{fw} job done", hf_env, 240)
             got[fw] = (rid, ctx.receiver.events(rid), out)
 
         # Lightning: device tensors, read once their host copy is done

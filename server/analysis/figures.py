@@ -79,11 +79,12 @@ RECOMPUTE_MIN = 1e-3
 
 def recompute_overhead(hw_flops: float | None, model_flops: float | None, tokens: float | None,
                        padded_tokens: float | None) -> float | None:
-    """Extra FLOPs activation recomputation adds, as a fraction of the model FLOPs of the same positions:
+    """Extra FLOPs recomputation adds (activation checkpointing; a fused attention backward's score
+    recompute), as a fraction of the model FLOPs of the same positions:
     ``hw / (model × padding) − 1`` with ``padding = padded / real tokens`` (1 when either is unknown),
     over the steps that measured hardware FLOPs. The agent's hardware FLOPs are ``model × padding ×
     (1 + r)`` by construction, so this is r (0.33 = a third more FLOPs than the model needs). None when
-    not measured or below ``RECOMPUTE_MIN`` (no checkpointing)."""
+    not measured or below ``RECOMPUTE_MIN`` (no recomputation)."""
     if not hw_flops or not model_flops or hw_flops <= 0 or model_flops <= 0:
         return None
     padding = padded_tokens / tokens if tokens and padded_tokens and tokens > 0 and padded_tokens > 0 else 1.0
@@ -172,7 +173,7 @@ class RunFigures:
     hfu_flag: str | None = None
     flops_per_rank_step: float | None = None  # model FLOPs one rank executes per step (median over steps)
     hw_flops_per_rank_step: float | None = None
-    recompute_overhead: float | None = None  # see recompute_overhead(); None without checkpointing
+    recompute_overhead: float | None = None  # see recompute_overhead(); None without recomputation
     tokens_per_s: float | None = None
     tokens_per_s_per_gpu: float | None = None
     tokens_per_rank_step: float | None = None

@@ -54,9 +54,11 @@ _crashed = False
 
 
 def _default_name(job_id: str | None) -> str:
+    """The name of a run ``init`` was given none for: ``<script>-<job id>`` (the job's own id,
+    ``env.job_id``: the same on every node of the job), else ``<script>``."""
     script = os.path.splitext(os.path.basename(sys.argv[0] or "python"))[0] or "python"
     if job_id and job_id != "none":
-        return f"{script}-{job_id}"
+        return f"{script}-{job_id}"[:256]
     return script
 
 
@@ -78,7 +80,8 @@ def init(
     transport: TransportFactory | None = None,
     **agent_settings: Any,
 ) -> Run | NoopRun:
-    """Start (or join: all ranks of a job land in one run, by name) a run and return it.
+    """Start (or join: all ranks of a job, on every node, land in one run — by the job's own id, else by
+    name; without ``name``, ``<script>-<job id>``, env.job_id) a run and return it.
 
     ``flops_per_step``/``flops_per_token`` give the model FLOPs (source "given"); ``transformer`` =
     ``{"params", "layers", "heads", "head_dim", "seq_len"}`` estimates them by the PaLM formula
@@ -181,7 +184,10 @@ def _init(
         peak_source = "table" if peak else None
     formula_mp = int(mp_size) if source == "estimated" and mp_size else None  # given: no mesh lookup
 
-    run_name = name or os.environ.get("FLEETSCOPE_RUN_NAME") or _default_name(rank_env.job_id)
+    from .health import job_identity
+
+    job, attempt = job_identity()  # the job's own id: every node of the job alike (env.job_id)
+    run_name = name or os.environ.get("FLEETSCOPE_RUN_NAME") or _default_name(job)
     run_meta: dict[str, Any] = {
         "host": rank_env.host,
         "node": rank_env.node,
@@ -224,9 +230,7 @@ def _init(
     }
     if mp_size is not None:
         run_info["mp_size"] = int(mp_size)
-    from .health import job_identity
-
-    run_info["job_id"], run_info["attempt"] = job_identity()  # attempts of one job (docs/agent.md)
+    run_info["job_id"], run_info["attempt"] = job, attempt  # one job, one run; restarts are attempts (docs/agent.md)
 
     factory = transport if transport is not None else _transport_factory()
     tx: Transport

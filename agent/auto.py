@@ -11,7 +11,7 @@ starts. From then on, with no change to the training script:
 * The first **top-level** module call in training mode with grad enabled marks a training process.
   The global hooks are removed again (they are not left on every module call). If the script has
   started a run itself (``fleetscope.agent.init``), the launcher yields to it and does nothing more.
-  Otherwise it calls ``init`` (name ``FLEETSCOPE_RUN_NAME``: one name for every rank of the launch;
+  Otherwise it calls ``init`` (name ``FLEETSCOPE_RUN_NAME``: one name for every rank of the job, on every node;
   family ``FLEETSCOPE_FAMILY``) and ``run.instrument(model=<that module>)``: forward hooks on that
   top-level module only, plus DDP's comm hook, exactly as automatic mode.
 * Step boundaries come from global optimizer hooks (``register_optimizer_step_pre_hook`` /

@@ -13,7 +13,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["RankEnv", "DeviceEnv", "detect_rank", "detect_device", "detect_versions", "git_commit"]
+__all__ = ["RankEnv", "DeviceEnv", "detect_rank", "detect_device", "detect_versions", "git_commit", "job_id", "node_name",
+           "JOB_ID_SOURCES", "MAX_JOB_ID"]
 
 #: launcher -> (rank, world size, local rank, node rank, job id) environment variables, in priority
 #: order. torchrun inside a SLURM allocation sets both; torchrun's own variables win because they
@@ -80,11 +81,111 @@ def _str(environ: Any, *names: str) -> str | None:
     return None
 
 
+MAX_JOB_ID = 128
+"""The longest job id kept (the server's bound); a longer one is cut."""
+
+#: where a job id comes from, in precedence order (``job_id``; docs/agent.md, "Launchers")
+JOB_ID_SOURCES = ("fleetscope", "torchrun", "slurm", "kubernetes", "mpi", "launch")
+
+#: Slurm's special step ids (the batch script, the extern and interactive steps ...): no step of their own
+_SLURM_SPECIAL_STEP = 0xFFFFFFF0
+
+
+def _clean(v: Any) -> str | None:
+    """A job id as the server stores it: printable, stripped, at most ``MAX_JOB_ID`` characters; None
+    for nothing, or torchrun's default rendezvous id "none"."""
+    s = "".join(c for c in str(v or "") if c.isprintable()).strip()  # a text field on the server
+    if not s or s.lower() == "none":
+        return None
+    return s[:MAX_JOB_ID]
+
+
+def _slurm_job(env: Any) -> str | None:
+    job = _clean(env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID"))
+    if job is None:
+        return None
+    step = _clean(env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID"))
+    if step is not None:
+        try:
+            special = int(step) >= _SLURM_SPECIAL_STEP  # the batch script's own "step": the job itself
+        except ValueError:
+            special = False
+        if not special:
+            job = f"{job}.{step}"
+    return job[:MAX_JOB_ID]
+
+
+def _kubernetes_job(env: Any) -> str | None:
+    """The Kubeflow training operator's job name, inside a Kubernetes pod: PyTorchJob (v1) sets
+    ``MASTER_ADDR``/``PET_MASTER_ADDR`` = ``<job>-master-0`` (an elastic job ``PET_RDZV_ENDPOINT`` =
+    ``<job>-worker-0:<port>``); a TrainJob (v2, JobSet) sets ``PET_MASTER_ADDR`` =
+    ``<job>-<replicated job>-0-0.<job>``. ``PET_RDZV_ID`` (an elastic policy's ``rdzvId``) first."""
+    rdzv = _clean(env.get("PET_RDZV_ID"))
+    if rdzv is not None:
+        return rdzv
+    if not env.get("KUBERNETES_SERVICE_HOST"):
+        return None
+    for var in ("PET_MASTER_ADDR", "MASTER_ADDR"):
+        addr = str(env.get(var) or "").strip()
+        host, _, domain = addr.partition(".")
+        svc = domain.split(".", 1)[0]
+        if svc and host.startswith(svc + "-"):  # v2: <job>-node-0-0.<job>
+            return _clean(svc)
+        if host.endswith("-master-0") and len(host) > len("-master-0"):  # v1
+            return _clean(host[: -len("-master-0")])
+    host = str(env.get("PET_RDZV_ENDPOINT") or "").strip().rsplit(":", 1)[0].split(".", 1)[0]
+    if host.endswith("-worker-0") and len(host) > len("-worker-0"):  # v1, elastic
+        return _clean(host[: -len("-worker-0")])
+    return None
+
+
+def job_id(environ: Any = None) -> tuple[str | None, str | None]:
+    """(the job's own id, where it came from): the id every process of a job sees alike, on every node,
+    with no coordination between them — ``FLEETSCOPE_JOB_ID`` ("fleetscope"), else torchrun's
+    ``TORCHELASTIC_RUN_ID`` (``--rdzv-id``) unless empty or torchrun's default "none" ("torchrun"),
+    else ``SLURM_JOB_ID`` with ``.SLURM_STEP_ID`` when the process runs in a step of its own ("slurm"),
+    else the Kubeflow job's ``PET_RDZV_ID`` or name ("kubernetes"), else the MPI job's
+    ``PMIX_NAMESPACE`` / Open MPI job id ("mpi"), else ``FLEETSCOPE_LAUNCH_ID``, the one ``fleetscope
+    run`` made when it saw none ("launch"); (None, None) without any. At most ``MAX_JOB_ID`` characters."""
+    env = os.environ if environ is None else environ
+    found = _clean(env.get("FLEETSCOPE_JOB_ID"))
+    if found is not None:
+        return found, "fleetscope"
+    found = _clean(env.get("TORCHELASTIC_RUN_ID"))
+    if found is not None:
+        return found, "torchrun"
+    found = _slurm_job(env)
+    if found is not None:
+        return found, "slurm"
+    found = _kubernetes_job(env)
+    if found is not None:
+        return found, "kubernetes"
+    for var in ("PMIX_NAMESPACE", "OMPI_MCA_orte_ess_jobid", "OMPI_MCA_ess_base_jobid", "PMI_JOBID"):
+        found = _clean(env.get(var))
+        if found is not None:
+            return found, "mpi"
+    found = _clean(env.get("FLEETSCOPE_LAUNCH_ID"))
+    if found is not None:
+        return found, "launch"
+    return None, None
+
+
+def node_name(environ: Any = None, host: str | None = None) -> str:
+    """This process's node as every rank reports it: ``FLEETSCOPE_NODE``, else ``SLURMD_NODENAME``,
+    else the host name (fleetscope/bench.py ``node_name`` alike)."""
+    env = os.environ if environ is None else environ
+    for var in ("FLEETSCOPE_NODE", "SLURMD_NODENAME"):
+        v = "".join(c for c in str(env.get(var) or "") if c.isprintable()).strip()
+        if v:
+            return v
+    return host if host is not None else socket.gethostname()
+
+
 def detect_rank(environ: Any = None) -> RankEnv:
     """Rank, world size, local rank, node and job from torchrun, SLURM, Open MPI or PMI variables."""
     env = os.environ if environ is None else environ
     host = socket.gethostname()
-    out = RankEnv(host=host, node=_str(env, "SLURMD_NODENAME") or host)
+    out = RankEnv(host=host, node=node_name(env, host)[:128])
     for launcher, rank_var, size_var, local_vars, node_vars, job_vars in _LAUNCHERS:
         rank = _int(env, rank_var)
         if rank is None:

@@ -366,7 +366,8 @@ def _report_workers(agent: Any, worker_group: Any, result: Any) -> None:
         run_id = spec.rdzv_handler.get_run_id()
     except Exception:  # noqa: BLE001
         pass
-    job_id, attempt_env = job_identity({"TORCHELASTIC_RUN_ID": run_id or "", **os.environ})
+    # the job id the workers see: torchrun hands them its rendezvous run id as TORCHELASTIC_RUN_ID
+    job_id, attempt_env = job_identity({**os.environ, **({"TORCHELASTIC_RUN_ID": run_id} if run_id else {})})
     if os.environ.get("FLEETSCOPE_ATTEMPT"):
         attempt = attempt_env
     run_info: dict[str, Any] = {

@@ -74,16 +74,14 @@ def event(run: Any, kind: str, step: int | None, data: dict[str, Any], ts: float
 
 
 def job_identity(environ: Any = None) -> tuple[str | None, int]:
-    """(job id, attempt) of this process: the job id from FLEETSCOPE_JOB_ID, else TORCHELASTIC_RUN_ID
-    (unless empty or "none"), else SLURM_JOB_ID (at most 128 characters; None without any); the
-    attempt from FLEETSCOPE_ATTEMPT, else TORCHELASTIC_RESTART_COUNT, else SLURM_RESTART_COUNT, else 0."""
+    """(job id, attempt) of this process: the job id from ``env.job_id`` — FLEETSCOPE_JOB_ID, else
+    TORCHELASTIC_RUN_ID (unless empty or "none"), else SLURM_JOB_ID[.SLURM_STEP_ID], else the Kubeflow
+    job's, else the MPI job's, else FLEETSCOPE_LAUNCH_ID (at most 128 characters; None without any);
+    the attempt from FLEETSCOPE_ATTEMPT, else TORCHELASTIC_RESTART_COUNT, else SLURM_RESTART_COUNT, else 0."""
+    from .env import job_id
+
     env = os.environ if environ is None else environ
-    job: str | None = None
-    for var in ("FLEETSCOPE_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
-        v = "".join(c for c in str(env.get(var) or "") if c.isprintable()).strip()  # a text field on the server
-        if v and v.lower() != "none":
-            job = v[:128]
-            break
+    job = job_id(env)[0]
     attempt = 0
     for var in ("FLEETSCOPE_ATTEMPT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
         v = str(env.get(var) or "").strip()

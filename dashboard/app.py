@@ -70,8 +70,47 @@ def build_dash() -> Any:
             [navbar(), html.Main(dash.page_container, className="fs-main"), dcc.Store(id="fs-tz", data="UTC")],
             className="fs-root",
         )
+        _guard_callbacks(app)
         _dash = app
         return app
+
+
+def _guard_callbacks(app: Any) -> None:
+    """A malformed callback request (not JSON, not an object, an output no callback has) is a 400 with a
+    JSON error naming what is wrong — checked before Dash dispatches it, so no traceback is logged for a
+    client's mistake — and every HTTP error under ``/_dash-`` answers JSON, not an HTML page."""
+    from flask import jsonify, request
+    from werkzeug.exceptions import HTTPException
+
+    def bad(status: int, message: str) -> Any:
+        resp = jsonify({"error": {"status": status, "code": "bad_request" if status == 400 else "error",
+                                  "message": message}, "detail": message})
+        resp.status_code = status
+        return resp
+
+    @app.server.before_request
+    def _check_callback() -> Any:
+        if request.method != "POST" or not request.path.endswith("/_dash-update-component"):
+            return None
+        body = request.get_json(silent=True, force=True)
+        if not isinstance(body, dict):
+            return bad(400, "malformed callback request: the body must be a JSON object")
+        out = body.get("output")
+        if not isinstance(out, str) or not isinstance(body.get("inputs", []), list):
+            return bad(400, "malformed callback request: 'output' must be a string and 'inputs' a list")
+        if out not in app.callback_map:
+            return bad(400, f"malformed callback request: no callback has the output {out[:120]!r}")
+        for key in ("inputs", "state"):
+            for item in body.get(key) or []:
+                if not isinstance(item, (dict, list)):
+                    return bad(400, f"malformed callback request: each of {key!r} must be an object")
+        return None
+
+    @app.server.errorhandler(HTTPException)
+    def _http_error(e: HTTPException) -> Any:
+        if request.path.startswith("/_dash-") or request.path.endswith("/_dash-update-component"):
+            return bad(int(e.code or 500), str(e.description or e.name)[:300])
+        return e
 
 
 def _wsgi_with_state(wsgi: Any, app_state: Any) -> Any:

@@ -15,9 +15,8 @@ from typing import Any
 
 from dash import Input, Output, dcc, html
 from fleetscope.server import reports
-from fleetscope.server.analysis.goodput import CHECKPOINT_KINDS, EVAL_KINDS
 from fleetscope.server.reports import research
-from fleetscope.server.store import scalars as scalar_store
+from fleetscope.server.reports.research import CHECKPOINT_KINDS, EVAL_KINDS
 
 from . import _state
 from .components import callback, graph, loading, section
@@ -50,7 +49,7 @@ def _default_pick(names: list[str]) -> list[str]:
 def run_panel(rid: int) -> Any:
     """The panel of a run with scalars (None without: no empty box on the page)."""
     try:
-        names = scalar_store.scalar_names(_state.engine(), rid)
+        names = research.scalar_names(_state.engine(), rid)
     except _state.NotReady:
         return None
     if not names:
@@ -221,7 +220,7 @@ def compare_panel(ids: list[int]) -> Any:
         eng = _state.engine()
     except _state.NotReady:
         return None
-    names = sorted({n for i in ids for n in scalar_store.scalar_names(eng, i)})
+    names = sorted({n for i in ids for n in research.scalar_names(eng, i)})
     return section("Training scalars", [
         dcc.Dropdown(id=CMP_PICK, options=names, value=next(iter(_default_pick(names)), None), clearable=False,
                      className="fs-control", placeholder="a scalar to overlay", style={"maxWidth": "420px"}),
@@ -243,7 +242,7 @@ def overlay_figure(lines: list[tuple[str, dict[str, Any]]], name: str) -> dict[s
 def _compare_chart(ids: list[Any] | None, name: str | None) -> Any:
     eng = _state.engine()
     ids = [int(i) for i in (ids or [])][:8]
-    names = sorted({n for i in ids for n in scalar_store.scalar_names(eng, i)})
+    names = sorted({n for i in ids for n in research.scalar_names(eng, i)})
     lines = []
     if name:
         for i in ids:

@@ -62,29 +62,44 @@ def _fmt(v: float | None, unit: str) -> str:
 
 def check(
     server: Server,
-    run: Annotated[str, typer.Option("--run", help="run name")],
+    run: Annotated[str | None, typer.Option("--run", help="run name (your runs: a read token with a team sees "
+                                                          "only its team's)")] = None,
     token: Token = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the server's verdict as JSON")] = False,
+    run_id: Annotated[int | None, typer.Option("--run-id", help="the run's id, when a name is ambiguous")] = None,
 ) -> None:
-    """CI gate: exit 0 when the run shows no regression against its family's baseline, 1 when it does
-    (printing what and by how much), 2 on usage or connection errors."""
+    """CI gate: exit 0 when the run shows no regression against its family's baseline (runs of the same
+    owner: its team's, or its token's), 1 when it does (printing what and by how much), 2 on usage or
+    connection errors — and when --run names runs of several jobs (several owners): give --run-id."""
     import httpx
 
+    if (run is None) == (run_id is None):
+        raise _fail("give --run NAME or --run-id ID")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         with httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=60.0) as c:
-            r = c.get("/api/v1/runs", params={"name": run, "limit": 20})
-            if r.status_code != 200:
-                raise _fail(f"listing runs failed: HTTP {r.status_code}")
-            runs = r.json().get("runs", [])
-            if not runs:
-                raise _fail(f"no run named {run!r} on {server}")
-            rid = runs[0]["id"]
-            if len(runs) > 1:  # names are unique per owner (team or token), not across owners
-                others = ", ".join(str(x["id"]) for x in runs[1:])
-                typer.echo(f"note: {len(runs)} runs are named {run!r} (several owners); checking the newest, "
-                           f"id {rid} (others: {others})", err=True)
+            if run_id is not None:
+                rid = run_id
+                run = run or f"id {run_id}"
+            else:
+                # the name as a value (eq:), never read as an operator prefix
+                r = c.get("/api/v1/runs", params={"name": f"eq:{run}", "limit": 50})
+                if r.status_code != 200:
+                    raise _fail(f"listing runs failed: HTTP {r.status_code}")
+                runs = r.json().get("runs", [])
+                if not runs:
+                    raise _fail(f"no run named {run!r} on {server}")
+                rid = runs[0]["id"]
+                # names are unique per owner (team or token) and attempt: the attempts of one job share its
+                # job id; runs of several jobs under one name are several owners' — refuse to guess
+                jobs = {x.get("job_id") or f"run:{x['id']}" for x in runs}
+                if len(jobs) > 1:
+                    listing = ", ".join(f"{x['id']} (started {x.get('started_at') or '?'})" for x in runs[:10])
+                    raise _fail(f"{len(runs)} runs of {len(jobs)} jobs are named {run!r} (several owners): "
+                                f"{listing}; give --run-id, or use a read token of your team")
             r = c.get(f"/api/v1/runs/{rid}/check")
+            if r.status_code == 404:
+                raise _fail(f"no run with id {rid} on {server} (or not one your token may read)")
             if r.status_code != 200:
                 raise _fail(f"check failed: HTTP {r.status_code} {r.text[:200]}")
             res = r.json()

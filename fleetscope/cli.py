@@ -234,24 +234,17 @@ def db_distribute(database_url: DatabaseUrl = None) -> None:
     _setup_logging()
     from sqlalchemy.exc import SQLAlchemyError
 
-    from fleetscope.server.db import make_engine, upgrade
-    from fleetscope.server.store.citus import NotCitus, citus_version, distribute, placement_summary
+    from fleetscope.server.db import distribute_database
+    from fleetscope.server.store.citus import NotCitus
 
     settings = _settings(database_url=database_url)
     if not settings.database_url:
         typer.secho("error: --database-url (FLEETSCOPE_DATABASE_URL) must name the Citus coordinator", fg="red", err=True)
         raise typer.Exit(2)
     url = settings.database_url
-    engine = make_engine(url, pool_size=1)
     where = url.rsplit("@", 1)[-1]
     try:
-        with engine.connect() as c:  # refuse before migrating anything
-            if citus_version(c) is None:
-                raise NotCitus("CREATE EXTENSION citus")
-        upgrade(url)
-        plan, done = distribute(engine)
-        with engine.connect() as c:
-            nodes = placement_summary(c)
+        plan, done, nodes = distribute_database(url)
     except NotCitus as e:
         typer.secho(f"error: {where} is not a Citus coordinator: {e} there (and on its workers), "
                     "register the workers (citus_add_node), then rerun", fg="red", err=True)
@@ -260,8 +253,6 @@ def db_distribute(database_url: DatabaseUrl = None) -> None:
         msg = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
         typer.secho(f"error: distributing the schema on {where} failed: {msg}", fg="red", err=True)
         raise typer.Exit(1) from None
-    finally:
-        engine.dispose()
     if done:
         typer.echo(f"distributed {len(done)} tables ({len(plan.distributed)} per-run tables by run_id, "
                    f"co-located with {plan.colocate_with}; {len(plan.reference)} reference tables)")

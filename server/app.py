@@ -28,10 +28,12 @@ from .edge import EdgeMiddleware
 from .errors import error_body
 from .health_pass import HealthWorker, params_from
 from .ingest import IngestService
+from .logutil import log_throttled
 from .metrics import ServiceMetrics
 from .notifier import Notifier
 from .openapi import api_schema
 from .prom import scrape_groups
+from .reads import CancelOnDisconnect, track_connections
 from .routes import alerts, benchmarks, health, ingest, kernels, nodes, overlap, run_health, runs, traces
 from .settings import Settings
 from .state import AppState
@@ -54,6 +56,10 @@ def _build_state(settings: Settings, url: str, app: FastAPI) -> AppState:
     """Every part of the server, wired explicitly: store, ingest, compaction (+ the straggler rollup
     fold), token checks, metrics, and regression detection with its notifier."""
     engine = make_engine(url, pool_size=settings.pool_size)
+    # reads: a pool of their own (ingest is never starved) whose statements Postgres cancels past the budget
+    read_engine = make_engine(url, pool_size=settings.read_pool_size, statement_timeout_s=settings.read_timeout_s,
+                              pool_timeout_s=max(1.0, settings.read_timeout_s))
+    track_connections(read_engine)
     metrics = ServiceMetrics(scrape_groups(lambda: getattr(app.state, "fs", None)))
     ingest_service = IngestService(
         engine,
@@ -86,7 +92,7 @@ def _build_state(settings: Settings, url: str, app: FastAPI) -> AppState:
                                  interval_s=settings.health_interval_s)
     return AppState(settings=settings, engine=engine, ingest=ingest_service, compactor=compactor,
                     tokens=TokenVerifier(engine), metrics=metrics, notifier=notifier, alerts=worker,
-                    health=health_worker)
+                    health=health_worker, read_engine=read_engine)
 
 
 class _CompactionFollower:
@@ -179,6 +185,8 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
             except Exception:  # noqa: BLE001 - shutdown must proceed; raw rows stay for the next start
                 log.exception("final compaction failed")
             state.engine.dispose()
+            if state.read_engine is not None:
+                state.read_engine.dispose()
 
     app = FastAPI(
         title="fleetscope",
@@ -188,6 +196,9 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
     )
 
     app.add_middleware(EdgeMiddleware, settings=settings, get_state=lambda: getattr(app.state, "fs", None))
+    # outermost: it alone reads a GET's receive channel; admits at most read_concurrency API reads at once
+    app.add_middleware(CancelOnDisconnect, concurrency=settings.read_concurrency,
+                       wait_s=max(1.0, settings.read_timeout_s))
     app.include_router(health.router)
     for r in (ingest.router, runs.router, benchmarks.router, traces.router, alerts.router, nodes.router,
               kernels.router, overlap.router, run_health.router):
@@ -211,10 +222,33 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
     @app.exception_handler(psycopg.OperationalError)
     @app.exception_handler(PoolTimeout)
     async def _db_down(request: Request, exc: Exception) -> JSONResponse:
+        orig = getattr(exc, "orig", None) or exc
+        if isinstance(orig, psycopg.errors.QueryCanceled):
+            # the read's statement budget (read_timeout_s) or its client went away: not an outage
+            budget = settings.read_timeout_s
+            log_throttled(log, logging.INFO, f"read-budget:{request.url.path[:64]}",
+                          "read over its %.1f s budget: %s %s", budget, request.method, request.url.path[:200])
+            return JSONResponse(error_body(503, f"this read took longer than its budget ({budget:g} s, "
+                                                "read_timeout_s) and was cancelled: narrow it (fewer filters, "
+                                                "a smaller page) or retry later"),
+                                status_code=503, headers={"Retry-After": "5"})
+        if isinstance(orig, psycopg.errors.ProgramLimitExceeded):
+            # the request asked for more than Postgres can do in one statement (columns, sort keys): the client's
+            msg = str(orig).splitlines()[0][:200]
+            return JSONResponse(error_body(422, f"the request exceeds a database limit: {msg}"), status_code=422)
+        if isinstance(exc, PoolTimeout) and request.method == "GET":
+            return JSONResponse(error_body(503, "too many reads at once; retry later"), status_code=503,
+                                headers={"Retry-After": "2"})
         # Postgres unreachable or restarting: the client should come back, not see a server error
-        log.warning("database unavailable on %s %s: %s", request.method, request.url.path, type(exc).__name__)
+        log_throttled(log, logging.WARNING, "db-down", "database unavailable on %s %s: %s", request.method,
+                      request.url.path[:200], type(exc).__name__)
         return JSONResponse(error_body(503, "database unavailable; retry later"), status_code=503,
                             headers={"Retry-After": "2"})
+
+    @app.exception_handler(OverflowError)
+    async def _out_of_range(request: Request, exc: OverflowError) -> JSONResponse:
+        # a number or time too large to represent (since=1e20): the client's value, never a 500
+        return JSONResponse(error_body(422, f"a value is out of range: {str(exc)[:200]}"), status_code=422)
 
     @app.exception_handler(Exception)
     async def _unhandled(request: Request, exc: Exception) -> JSONResponse:  # pragma: no cover - last resort

@@ -22,7 +22,7 @@ from sqlalchemy import Engine
 from .store import tokens
 
 __all__ = ["SCOPES", "Principal", "create_token", "list_tokens", "revoke_token", "TokenVerifier", "hash_token",
-           "TokenError"]
+           "TokenError", "bearer_token"]
 
 _PREFIX = "fs_"
 SCOPES = ("ingest", "read", "admin")
@@ -67,6 +67,23 @@ ANONYMOUS_ADMIN = Principal(None, "anonymous (auth disabled)", "admin")
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+#: the longest ``Authorization`` value looked at (a token is 46 characters)
+MAX_AUTHORIZATION = 512
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` value, normalised: surrounding whitespace
+    stripped, any whitespace between scheme and token, the scheme in any case (``bearer``, ``BEARER``).
+    None when missing, too long, of another scheme, or empty."""
+    if not authorization or len(authorization) > MAX_AUTHORIZATION:
+        return None
+    parts = authorization.strip().split(None, 1)
+    if len(parts) != 2 or parts[0].lower() != "bearer":
+        return None
+    token = parts[1].strip()
+    return token or None
 
 
 def _check_name(name: str) -> None:
@@ -121,21 +138,29 @@ def revoke_token(engine: Engine, name: str) -> int:
 
 
 class TokenVerifier:
-    """Checks bearer tokens against the stored hashes (no caching of validity: revocation is immediate)."""
+    """Checks bearer tokens against the stored hashes (no caching of validity: revocation is immediate).
 
-    def __init__(self, engine: Engine) -> None:
+    :meth:`may_be_valid` answers, without a lookup per token, whether a token could be valid at all (its
+    8-character prefix is that of a token not revoked): the failed-auth limiter lets a valid token from
+    a limited address through and refuses a spray of made-up ones without a database lookup each."""
+
+    def __init__(self, engine: Engine, *, known_refresh_s: float = 2.0) -> None:
         self.engine = engine
         self._last_used: dict[int, float] = {}
         self._lock = threading.Lock()
+        #: the prefixes of the tokens not revoked, re-read at most every ``known_refresh_s`` (on a miss)
+        self.known_refresh_s = known_refresh_s
+        self._prefixes: frozenset[str] | None = None
+        self._prefixes_at = -1e18
+        self._refresh_lock = threading.Lock()
+        #: how often the prefixes were read (one query for all tokens)
+        self.prefix_reads = 0
 
     def authenticate(self, authorization: str | None) -> Principal | None:
-        """The principal of ``Authorization: Bearer <token>``, or None when it is missing, unknown, revoked
-        or expired. Database errors propagate (the caller answers 503)."""
-        if not authorization or len(authorization) > 512:
-            return None
-        scheme, _, token = authorization.partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
+        """The principal of ``Authorization: Bearer <token>`` (parsed by :func:`bearer_token`), or None
+        when it is missing, unknown, revoked or expired. Database errors propagate (the caller answers 503)."""
+        token = bearer_token(authorization)
+        if token is None:
             return None
         h = hash_token(token)
         row = tokens.find_valid(self.engine, h)
@@ -143,6 +168,26 @@ class TokenVerifier:
             return None
         self._touch(row[0])
         return Principal(row[0], row[1], row[2], row[4])
+
+    def may_be_valid(self, token: str, *, refresh_s: float | None = None) -> bool:
+        """Whether ``token`` (as :func:`bearer_token` returns it) could be a valid token: its prefix is
+        one of a token not revoked. The prefixes are re-read (one query for every token) when a prefix is
+        not among them and they are older than ``refresh_s`` (default ``known_refresh_s``), so a token
+        created since is known within that time. Database errors propagate."""
+        prefix = token[:8]
+        snap, at = self._prefixes, self._prefixes_at
+        if snap is not None and prefix in snap:
+            return True
+        if time.monotonic() - at < (self.known_refresh_s if refresh_s is None else refresh_s):
+            return False
+        with self._refresh_lock:  # one reader at a time; the others use what it read
+            if self._prefixes_at == at:
+                rows = tokens.list_all(self.engine)
+                self._prefixes = frozenset(str(r["prefix"]) for r in rows if r["revoked_at"] is None)
+                self._prefixes_at = time.monotonic()
+                self.prefix_reads += 1
+            snap = self._prefixes
+        return snap is not None and prefix in snap
 
     def verify(self, authorization: str | None, *, scope: str = "ingest") -> bool:
         """True when ``authorization`` carries a valid token holding ``scope``."""

@@ -7,13 +7,17 @@ A pure ASGI middleware, in this order:
 2. **Body cap** — a per-route ceiling checked on ``Content-Length`` before reading, and again while
    the body streams (chunked uploads); 413 naming the limit.
 3. **Authentication** — every write (and, with ``read_auth``, every read but ``/healthz``) needs a
-   valid token: 401 before the body is read. Failed authentications are limited per credential, not
-   per address: each presented token (by its hash) has its own bucket, and requests without a token
-   share one bucket per client address. A bucket over the limit gets 429 + ``Retry-After`` for each
-   further failing request — a valid token has never failed, so its bucket never fills, and no flood
-   of unauthenticated or bad-token requests (behind a proxy, from the agents' own address) can lock
-   it out. The client address of the no-token bucket is the TCP peer; ``X-Forwarded-For`` counts only
-   when the peer is in ``forwarded_allow_ips``. A database
+   valid token: 401 before the body is read. The token is parsed leniently (``auth.bearer_token``:
+   whitespace stripped, the ``Bearer`` scheme in any case). Failed authentications are limited
+   (``_AuthLimiter``, ``auth_fail_limit`` per ``auth_fail_window_s``) three ways: per credential (one
+   bad token repeated; a token differing only in case is the same credential), per client address for
+   requests without a token, and per client address by the number of *distinct* bad tokens it
+   presented (a spray of made-up tokens). Over a limit, a request is answered 429 + ``Retry-After``
+   without a database lookup — unless its token may be valid (``TokenVerifier.may_be_valid``: its
+   prefix is that of a token not revoked) and has not failed already, then it is looked up as usual.
+   So a valid token is never locked out, whatever the flood from its address (behind a proxy, the
+   agents' own), and a spray of garbage costs no lookup once limited. The client address is the TCP
+   peer; ``X-Forwarded-For`` counts only when the peer is in ``forwarded_allow_ips``. A database
    outage answers 503 + ``Retry-After``, never 500. The principal is put in the request's state; the
    routes' ``require_token(scope)`` dependency checks its scope.
 4. **Media type** — a write with a body must say ``application/json`` or msgpack (415 otherwise), so
@@ -38,7 +42,7 @@ from fastapi import HTTPException
 from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 
-from .auth import ANONYMOUS_ADMIN, Principal
+from .auth import ANONYMOUS_ADMIN, Principal, bearer_token
 from .errors import error_body
 
 __all__ = ["EdgeMiddleware", "body_cap", "TOKEN_COOKIE", "credential_key", "edge_reason"]
@@ -117,6 +121,61 @@ class _FailedAuth:
                 self._hits.popitem(last=False)
 
 
+class _AuthLimiter:
+    """The failed-auth limits (module docstring, 3.): per credential and per address without a token
+    (``_FailedAuth`` counts), per address by distinct bad tokens, and the tokens that failed a lookup.
+    Bounded: at most ``max_clients`` keys in each table, ``limit`` entries per key."""
+
+    def __init__(self, limit: int, window_s: float, max_clients: int = 10_000) -> None:
+        self.limit, self.window_s, self.max_clients = limit, window_s, max_clients
+        self.counts = _FailedAuth(limit, window_s, max_clients)
+        self._distinct: OrderedDict[str, OrderedDict[str, float]] = OrderedDict()  # address -> {cred: last seen}
+        self._bad: OrderedDict[str, float] = OrderedDict()  # exact token hash -> when its lookup failed
+        self._lock = threading.Lock()
+
+    def address_blocked_for(self, address: str) -> float:
+        """Seconds until ``address`` is under its budget of distinct bad tokens (0: it is now)."""
+        now = time.monotonic()
+        with self._lock:
+            seen = self._distinct.get(address)
+            if not seen:
+                return 0.0
+            for cred in [c for c, t in seen.items() if now - t >= self.window_s]:
+                del seen[cred]
+            if not seen:
+                del self._distinct[address]
+                return 0.0
+            if len(seen) < self.limit:
+                return 0.0
+            return max(0.0, self.window_s - (now - min(seen.values())))
+
+    def record_token(self, address: str, cred: str) -> None:
+        """A bad (or, over the limit, unchecked) token from ``address``: counts once per window there."""
+        now = time.monotonic()
+        with self._lock:
+            seen = self._distinct.pop(address, None) or OrderedDict()
+            seen.pop(cred, None)
+            seen[cred] = now
+            while len(seen) > self.limit:
+                seen.popitem(last=False)
+            self._distinct[address] = seen
+            while len(self._distinct) > self.max_clients:
+                self._distinct.popitem(last=False)
+
+    def failed_lookup(self, exact: str) -> None:
+        with self._lock:
+            self._bad.pop(exact, None)
+            self._bad[exact] = time.monotonic()
+            while len(self._bad) > self.max_clients:
+                self._bad.popitem(last=False)
+
+    def known_bad(self, exact: str) -> bool:
+        """Whether this exact token failed a lookup within the window (tokens never become valid)."""
+        with self._lock:
+            t = self._bad.get(exact)
+            return t is not None and time.monotonic() - t < self.window_s
+
+
 _Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
@@ -170,7 +229,8 @@ class EdgeMiddleware:
         self.app = app
         self.settings = settings
         self.get_state = get_state
-        self.failed = _FailedAuth(settings.auth_fail_limit, settings.auth_fail_window_s)
+        self.limiter = _AuthLimiter(settings.auth_fail_limit, settings.auth_fail_window_s)
+        self.failed = self.limiter.counts
         self.proxies = _Proxies(list(getattr(settings, "forwarded_allow_ips", None) or []))
         allowed = {h.lower() for h in settings.allowed_hosts}
         bind = settings.host.lower()
@@ -255,26 +315,41 @@ class EdgeMiddleware:
         sign_in = _sign_in_token(scope)
         authz = (headers.get("authorization") or (f"Bearer {sign_in}" if sign_in else None)
                  or _cookie_token(headers.get("cookie", "")))
-        key = credential_key(authz, self.proxies.client(scope))
-        # the bucket of THIS credential: a valid token never fails, so its bucket never fills; a flood
-        # without a token (or with other tokens) from the same address fills other buckets
-        if self.failed.blocked_for(key) <= 0:
-            try:
-                principal = await run_in_threadpool(st.tokens.authenticate, authz)
-            except (OperationalError, OSError, TimeoutError) as e:
-                log.warning("token check failed, database unavailable: %s", type(e).__name__)
-                return None, 503, "database unavailable; retry later", {"Retry-After": "2"}
-            if principal is not None:
-                return principal, 200, "", {}
-            self.failed.record(key)
-            return None, 401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"}
-        # over the limit: this credential failed ``auth_fail_limit`` times in the window (a token that
-        # failed stays invalid: tokens are random and never reissued), so no database lookup
-        self.failed.record(key)
-        wait = self.failed.blocked_for(key)
-        what = "without a token from this client" if not authz else "with this token"
-        return None, 429, f"too many failed authentications {what}; retry later", {
-            "Retry-After": str(int(wait) + 1)}
+        token = bearer_token(authz)
+        client = self.proxies.client(scope)
+        lim = self.limiter
+        if token is None:  # no (usable) token: one count per client address; nothing to look up
+            key = f"anon:{client}"
+            wait = lim.counts.blocked_for(key)
+            lim.counts.record(key)
+            if wait <= 0:
+                return None, 401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"}
+            return None, 429, "too many failed authentications without a token from this client; retry later", {
+                "Retry-After": str(int(lim.counts.blocked_for(key)) + 1)}
+        key = credential_key(authz, client)
+        exact = "exact:" + hashlib.sha256(token.encode("utf-8", "replace")).hexdigest()[:32]
+        # over a limit — this credential failed too often, or this address presented too many distinct bad
+        # tokens — a token is looked up only if it may be valid (a valid token is never locked out)
+        wait = max(lim.counts.blocked_for(key), lim.address_blocked_for(client))
+        try:
+            if wait > 0 and (lim.known_bad(exact) or not await run_in_threadpool(
+                    st.tokens.may_be_valid, token, refresh_s=self.settings.auth_known_tokens_refresh_s)):
+                lim.counts.record(key)
+                lim.record_token(client, key)
+                wait = max(lim.counts.blocked_for(key), lim.address_blocked_for(client), 1.0)
+                what = "with this token" if lim.counts.blocked_for(key) > 0 else "from this client"
+                return None, 429, f"too many failed authentications {what}; retry later", {
+                    "Retry-After": str(int(wait) + 1)}
+            principal = await run_in_threadpool(st.tokens.authenticate, authz)
+        except (OperationalError, OSError, TimeoutError) as e:
+            log.warning("token check failed, database unavailable: %s", type(e).__name__)
+            return None, 503, "database unavailable; retry later", {"Retry-After": "2"}
+        if principal is not None:
+            return principal, 200, "", {}
+        lim.counts.record(key)
+        lim.record_token(client, key)
+        lim.failed_lookup(exact)
+        return None, 401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"}
 
     async def _reject(self, send: Send, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
         st = self.get_state()
@@ -296,10 +371,13 @@ class EdgeMiddleware:
 
 def credential_key(authz: str | None, client: str) -> str:
     """The failed-auth bucket of a request: ``token:<hash>`` per presented credential (the same bucket
-    from every address), ``anon:<client address>`` for requests without one."""
-    if not authz:
+    from every address; the token as ``auth.bearer_token`` parses it, in lower case, so a token differing
+    only in case or spacing is the same credential), ``anon:<client address>`` for requests without a
+    usable token."""
+    token = bearer_token(authz)
+    if token is None:
         return f"anon:{client}"
-    return "token:" + hashlib.sha256(authz.strip().encode("utf-8", "replace")).hexdigest()[:32]
+    return "token:" + hashlib.sha256(token.lower().encode("utf-8", "replace")).hexdigest()[:32]
 
 
 def edge_reason(status: int, detail: str) -> str:

@@ -272,8 +272,10 @@ class RunEvent(Base):
 
 class BenchmarkSeries(Base):
     __tablename__ = "benchmark_series"
-    __table_args__ = (UniqueConstraint("name", "cluster", "params_key"),)
+    __table_args__ = (UniqueConstraint("owner_key", "name", "cluster", "params_key",
+                                       name="uq_benchmark_series_owner_name_cluster_params_key"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    owner_key: Mapped[str] = mapped_column(Text, server_default="")
     name: Mapped[str] = mapped_column(String(128))
     cluster: Mapped[str] = mapped_column(String(128))
     params_key: Mapped[str] = mapped_column(String(256))

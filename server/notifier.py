@@ -7,6 +7,13 @@ log line and a counter.
 Alertmanager forgets an alert that is not re-sent within its ``resolve_timeout``; the notifier
 re-posts every alert it knows to be firing every ``alertmanager_resend_s`` (Prometheus does the
 same), and posts a resolved alert once with ``endsAt``.
+
+A webhook URL is a secret (Slack's path *is* the credential). No log line at any level shows one: the
+notifier's own lines name the sink (``slack``, ``webhook``, ``alertmanager``), and a filter attached to
+each logger that could print a request URL while we send — ours, the Slack client's (our own logger,
+its chatter off), ``httpx``, ``httpcore.*``, ``urllib3.*`` — rewrites the URL, its path and query and any
+``user:password@`` in every record to a placeholder. Repeated delivery failures log one line per sink
+per ``log_interval_s`` (``server.logutil``).
 """
 
 from __future__ import annotations
@@ -16,13 +23,132 @@ import queue
 import random
 import threading
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from .analysis.explain import explanation, metric_label
+from .logutil import Throttle, log_throttled
 
 __all__ = ["Notifier", "slack_message", "webhook_payload", "alertmanager_alert", "format_value", "explain_alert",
            "CRITICAL_KINDS"]
 
 log = logging.getLogger(__name__)
+#: the Slack client's logger: its request/response/retry lines (URL included) are off unless an operator
+#: lowers this level; our warning line says what failed, and the redaction filter guards it regardless
+slack_log = logging.getLogger(__name__ + ".slack")
+slack_log.setLevel(logging.CRITICAL)
+
+#: the loggers (and, for the ``.``-suffixed ones, every logger under them) that may print a request URL
+#: while we send. A filter on a parent logger does not see its children's records, so each gets its own.
+_URL_LOGGERS = ("httpx", "httpx.", "httpcore", "httpcore.", "urllib3", "urllib3.", "slack_sdk", "slack_sdk.",
+                "urllib.request")
+
+
+class RedactSecrets(logging.Filter):
+    """Rewrites registered secrets (webhook URLs and their parts) in a record's message, arguments,
+    traceback and stack to placeholders. Never drops a record."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._secrets: dict[str, str] = {}  # secret -> placeholder
+        self._order: list[str] = []  # longest first
+        self._lock = threading.Lock()
+
+    def add(self, url: str | None, sink: str, *, whole: bool = True) -> None:
+        """Register ``url``'s secret parts: the URL itself (unless ``whole`` is off), its path + query,
+        its query, its ``user:password``, its password — as given and as httpx would print them."""
+        if not url:
+            return
+        found: dict[str, str] = {}
+        for u in _variants(url):
+            try:
+                parts = urlsplit(u)
+            except ValueError:
+                parts = None
+            if whole:
+                found[u] = f"<{sink} URL>"
+                found[u.rstrip("/")] = f"<{sink} URL>"
+            if parts is None:
+                continue
+            if whole and len(parts.path) > 1:  # what urllib3 prints: "POST /services/T…/B…/… HTTP/1.1"
+                tail = parts.path + (f"?{parts.query}" if parts.query else "")
+                found[tail] = f"<{sink} path>"
+                found[unquote(tail)] = f"<{sink} path>"
+            if parts.query:
+                found[parts.query] = "<redacted>"
+            if parts.password:
+                found[parts.password] = "<redacted>"
+                found[unquote(parts.password)] = "<redacted>"
+        with self._lock:
+            for k, v in found.items():
+                if len(k) >= 6 and k not in self._secrets:  # short strings would garble unrelated lines
+                    self._secrets[k] = v
+            for u in _variants(url):  # user:password@, however short (the '@' keeps it specific)
+                try:
+                    netloc = urlsplit(u).netloc
+                except ValueError:
+                    continue
+                if "@" in netloc:
+                    self._secrets[netloc.rsplit("@", 1)[0] + "@"] = "<redacted>@"
+            self._order = sorted(self._secrets, key=len, reverse=True)
+
+    def redact(self, text: str) -> str:
+        for secret in self._order:
+            if secret in text:
+                text = text.replace(secret, self._secrets[secret])
+        return text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self._order:
+            return True
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 - a malformed record: keep its raw text
+            msg = str(record.msg)
+        red = self.redact(msg)
+        if red != msg:
+            record.msg, record.args = red, None
+        if record.exc_info and record.exc_info[1] is not None:
+            text = record.exc_text or logging.Formatter().formatException(record.exc_info)
+            red = self.redact(text)
+            if red != text:  # the formatted, redacted traceback replaces the exception
+                record.exc_text, record.exc_info = red, None
+        elif record.exc_text:
+            record.exc_text = self.redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = self.redact(record.stack_info)
+        return True
+
+
+def _variants(url: str) -> list[str]:
+    out = [url.strip()]
+    try:
+        import httpx
+
+        out.append(str(httpx.URL(url.strip())))
+    except Exception:  # noqa: BLE001 - not a URL httpx takes: it cannot print it either
+        pass
+    return list(dict.fromkeys(out))
+
+
+#: one filter for the process: every notifier registers its URLs in it
+REDACT = RedactSecrets()
+
+
+def guard_loggers() -> None:
+    """Attach :data:`REDACT` to our loggers and to every existing logger that may print a request URL
+    (idempotent; called again before each delivery, so loggers created since are covered)."""
+    for lg in (log, slack_log):
+        if REDACT not in lg.filters:
+            lg.addFilter(REDACT)
+    for name, existing in list(logging.root.manager.loggerDict.items()):
+        if isinstance(existing, logging.Logger) and REDACT not in existing.filters and any(
+                name == p or (p.endswith(".") and name.startswith(p)) for p in _URL_LOGGERS):
+            existing.addFilter(REDACT)
+    for name in ("httpx", "urllib3.connectionpool", "slack_sdk.webhook.client"):
+        named = logging.getLogger(name)
+        if REDACT not in named.filters:
+            named.addFilter(REDACT)
+
 
 _KIND_TITLE = {
     "run_series": "Run regression",
@@ -281,7 +407,13 @@ class Notifier:
                  alertmanager_url: str | None = None, run_info: Any = None, generator_url: str | None = None,
                  alertmanager_resend_s: float = 60.0,
                  timeout_s: float = 5.0, retries: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
-                 queue_size: int = 1000) -> None:
+                 queue_size: int = 1000, log_interval_s: float = 60.0) -> None:
+        REDACT.add(slack_webhook_url, "slack webhook")
+        REDACT.add(webhook_url, "alert webhook")
+        REDACT.add(alertmanager_url, "alertmanager", whole=False)  # only its credentials, if it has any
+        guard_loggers()
+        #: delivery failures and drops: one line per sink per ``log_interval_s``
+        self._log_throttle = Throttle(log_interval_s)
         self.slack_webhook_url = slack_webhook_url
         self.webhook_url = webhook_url
         self.alertmanager_url = alertmanager_url.rstrip("/") if alertmanager_url else None
@@ -316,7 +448,8 @@ class Notifier:
             self._q.put_nowait((event, alert))
         except queue.Full:
             self.dropped += 1
-            log.warning("alert notification queue full: dropped alert %s", alert.get("id"))
+            log_throttled(log, logging.WARNING, "queue-full", "alert notification queue full: dropped alert %s "
+                          "(%d dropped so far)", alert.get("id"), self.dropped, throttle=self._log_throttle)
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -349,13 +482,15 @@ class Notifier:
                 self._deliver("alertmanager", self._post_alertmanager, alert, event)
 
     def _deliver(self, target: str, send: Any, alert: dict[str, Any], event: str) -> None:
+        guard_loggers()  # loggers the HTTP libraries created since (cheap; deliveries are rare)
         delay = self.backoff_s
         for attempt in range(self.retries + 1):
             try:
                 status, retry_after = send(alert, event)
             except Exception as e:  # noqa: BLE001 - connection errors and the like: retry
                 status, retry_after = None, None
-                err: Any = e
+                # an exception's text may quote the URL (an invalid URL, a proxy error): redacted
+                err: Any = REDACT.redact(f"{type(e).__name__}: {e}")
             else:
                 err = f"HTTP {status}"
             if status is not None and 200 <= status < 300:
@@ -369,15 +504,17 @@ class Notifier:
                 break
             delay = min(self.max_backoff_s, delay * 2)
         self.failed += 1
-        log.warning("could not deliver alert %s to %s: %s", alert.get("id"), target, err)
+        log_throttled(log, logging.WARNING, target, "could not deliver alert %s to %s: %s (%d failed deliveries "
+                      "so far)", alert.get("id"), target, err, self.failed, throttle=self._log_throttle)
 
     def _post_slack(self, alert: dict[str, Any], event: str) -> tuple[int, float | None]:
         from slack_sdk.webhook import WebhookClient
 
         msg = slack_message(alert, event)
-        resp = WebhookClient(self.slack_webhook_url or "", timeout=int(max(1, self.timeout_s))).send(
-            text=msg["text"], blocks=msg["blocks"]
-        )
+        # our logger (its own chatter off, redacted regardless) and no retry handlers: _deliver retries
+        client = WebhookClient(self.slack_webhook_url or "", timeout=int(max(1, self.timeout_s)), logger=slack_log,
+                               retry_handlers=[])
+        resp = client.send(text=msg["text"], blocks=msg["blocks"])
         ra = resp.headers.get("Retry-After") if resp.headers else None
         return resp.status_code, _float(ra)
 
@@ -386,7 +523,6 @@ class Notifier:
 
         r = httpx.post(self.webhook_url or "", json=webhook_payload(alert, event), timeout=self.timeout_s)
         return r.status_code, _float(r.headers.get("Retry-After"))
-
 
     def _am_payload(self, alert: dict[str, Any], event: str) -> dict[str, Any]:
         run = None

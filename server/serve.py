@@ -95,5 +95,5 @@ def run_server(settings: Settings, *, app_factory: Callable[..., FastAPI] = crea
                 on_shutdown()
     finally:
         if pg is not None:
-            pg.stop()
-            log.info("embedded Postgres stopped")
+            if pg.stop():
+                log.info("embedded Postgres stopped")

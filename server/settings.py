@@ -38,9 +38,9 @@ class Settings(BaseSettings):
     allow_public_unauthenticated: bool = Field(default=False, description="serve reads on a non-loopback address "
                                                "without --read-auth")
     auth_fail_limit: int = Field(default=20, ge=1, le=100_000, description=(
-        "failed authentications per credential per window (each presented token has its own count; requests "
-        "without a token, one count per client address); beyond it each further failing request with that "
-        "credential gets 429 — a valid token never fails, so it is never locked out"))
+        "failed authentications per window, counted per credential (a token, case-insensitively), per client "
+        "address without a token, and per client address by distinct bad tokens; over a limit, 429 without a "
+        "database lookup — a token that may be valid is still looked up, so a valid token is never locked out"))
     auth_fail_window_s: float = Field(default=60.0, gt=0, description="the window of auth_fail_limit")
     forwarded_allow_ips: Annotated[list[str], NoDecode] = Field(default_factory=list, description=(
         "addresses or networks of proxies whose X-Forwarded-For names the client (comma-separated; '*': any "
@@ -69,7 +69,16 @@ class Settings(BaseSettings):
         'per family: {"family": {"blocks_days": 7, "rollups_days": 90, "runs_days": null}} (JSON)'))
     retention_interval_s: float = Field(default=3600.0, gt=0, description="how often retention is applied")
     retention_batch_runs: int = Field(default=20, ge=1, description="runs thinned or deleted per pass at most")
-    pool_size: int = 8
+    pool_size: int = Field(default=8, ge=1, le=256, description="database connections for ingest, compaction and "
+                           "the background passes (reads have their own pool: read_pool_size)")
+    read_pool_size: int = Field(default=8, ge=1, le=256, description=(
+        "database connections for the read API and the dashboard, apart from ingest's, so reads never starve it"))
+    read_concurrency: int = Field(default=4, ge=1, le=256, description=(
+        "API reads served at once; more wait up to read_timeout_s for a turn, then get a 503 (keeps a burst of "
+        "expensive reads from taking every core from ingest and /healthz)"))
+    read_timeout_s: float = Field(default=5.0, gt=0, le=3600, allow_inf_nan=False, description=(
+        "every statement of a read (API, dashboard) is cancelled by Postgres after this long; the client gets a "
+        "503 naming the budget. A client that goes away cancels its read at once"))
     public_url: str | None = Field(default=None, description="dashboard base URL used in deep links")
     slack_webhook_url: str | None = Field(default=None, repr=False)
     alert_webhook_url: str | None = Field(default=None, repr=False, description="generic JSON webhook for alerts")
@@ -94,6 +103,11 @@ class Settings(BaseSettings):
     stall_silence_s: float = Field(default=30.0, gt=0, description="a rank whose last position is older is silent")
     pause_max_s: float = Field(default=1800.0, gt=0,
                                description="a declared pause holds off the stall detector at most max(2 × expected, this)")
+    # failed-auth limiter (server/edge.py, docs/security.md)
+    auth_known_tokens_refresh_s: float = Field(default=2.0, gt=0, le=3600, allow_inf_nan=False, description=(
+        "while an address or a credential is over auth_fail_limit, a token is looked up only if its prefix is "
+        "that of a token not revoked; the list of prefixes is re-read at most this often (a token created "
+        "since is known within this time)"))
 
     @field_validator("retention_overrides", mode="before")
     @classmethod

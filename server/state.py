@@ -32,3 +32,5 @@ class AppState:
     alerts: AlertWorker
     ready: bool = False
     health: HealthWorker | None = None  # the health pass (run states, hang/failure alerts)
+    #: the read API's and the dashboard's own pool, with a statement budget (server/reads.py); None: ``engine``
+    read_engine: Engine | None = None

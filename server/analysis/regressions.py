@@ -185,6 +185,14 @@ def _metric_values(members: Sequence[RunWithFigures], metric: str,
     return [float(v) for v in raw if v is not None]
 
 
+def _namespace(members: Sequence[RunWithFigures]) -> tuple[str, ...]:
+    """The owner namespace of a series' runs as a series-key part: () for runs without owner (the keys
+    series had before namespaces), (owner_key,) otherwise — so two teams' series of one family and setup
+    are two series, and one's evaluation never resolves the other's alert."""
+    ns = getattr(members[0][0], "owner_key", "") if members else ""
+    return (ns,) if ns else ()
+
+
 def run_series_regressions(runs: Sequence[RunWithFigures], *, run_ids: Collection[int] | None = None,
                            extra: Mapping[int, Mapping[str, float]] | None = None,
                            ) -> tuple[list[Regression], set[str]]:
@@ -206,7 +214,7 @@ def run_series_regressions(runs: Sequence[RunWithFigures], *, run_ids: Collectio
         members.sort(key=lambda m: (m[0].started_at or "", m[0].id))
         metric = _primary_metric(members)
         unit, hib = METRICS[metric]
-        skey = series_key("runs", *key)
+        skey = series_key("runs", *key, *_namespace(members))
         evaluated.add(skey)
         details = {"scope": "comparable", "family": key[0], "config_signature": key[1], "device_type": key[2],
                    "world_size": key[3]}
@@ -253,7 +261,7 @@ def _switch_regressions(runs: Sequence[RunWithFigures],
         if run_ids is not None and not any(r.id in run_ids for r, _ in members):
             continue
         members.sort(key=lambda m: (m[0].started_at or "", m[0].id))
-        skey = series_key("family", family, device)
+        skey = series_key("family", family, device, *_namespace(members))
         evaluated.add(skey)
         keys = [comparable_key(r) for r, _ in members]
         j = len(keys) - 1

@@ -19,6 +19,8 @@ are also kept in ``run_stats``. ``clear_caches()`` forgets the in-process part.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._cache import clear as clear_caches
 from ._cache import forget_run
 from .fleet import compare_runs, compare_view, families, fleet_rows, run_options, scaling, scaling_view
@@ -72,7 +74,7 @@ from .runs import (
 )
 
 __all__ = [
-    "clear_caches", "forget_run",
+    "clear_caches", "forget_run", "scope",
     # runs
     "get_run", "list_runs", "figures", "with_figures", "run_summary", "bottlenecks", "stragglers",
     "collective_efficiency", "run_collectives", "goodput", "run_events", "run_folded", "run_traces", "database_ok",
@@ -88,3 +90,42 @@ __all__ = [
     "run_series_regressions", "benchmark_regressions", "step_shift_regression", "straggler_finding", "slow_node_findings", "check_run",
     "list_alerts", "get_alert", "alerts_view", "alert_series", "benchmark_series", "benchmarks_view",
 ]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ who sees which run
+# Every report of one run (a façade function whose second parameter is ``run_id``) answers for the
+# current reader only (``scope``): for a run of another namespace, "not found" — None where the report
+# answers None for a missing run, else ``scope.RunNotVisible`` (a LookupError).
+from . import scope  # noqa: E402
+
+_NONE_WHEN_MISSING = {"get_run", "run_summary", "run_page_summary", "check_run", "node_detail"}
+
+
+def _scoped(name: str, fn: Any) -> Any:
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(engine: Any, run_id: Any, *args: Any, **kwargs: Any) -> Any:
+        if scope.visible_keys() is not None and isinstance(run_id, int) and not scope.is_visible(engine, run_id):
+            if name in _NONE_WHEN_MISSING:
+                return None
+            raise scope.RunNotVisible(run_id)
+        return fn(engine, run_id, *args, **kwargs)
+
+    return wrapper
+
+
+def _scope_reports() -> None:
+    import inspect
+
+    g = globals()
+    for name in __all__:
+        fn = g.get(name)
+        if not inspect.isfunction(fn):
+            continue
+        params = list(inspect.signature(fn).parameters)
+        if len(params) >= 2 and params[1] == "run_id":
+            g[name] = _scoped(name, fn)
+
+
+_scope_reports()

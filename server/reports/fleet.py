@@ -15,6 +15,7 @@ from ..analysis.scaling import scaling as _scaling
 from ..downsample import minmax_series
 from ..store import alerts, steps
 from ..store import runs as run_store
+from . import scope
 from .pages import comm_by_dim_of_runs, ranking_from_shares
 from .runs import figures, with_figures
 
@@ -24,7 +25,7 @@ __all__ = ["fleet_rows", "families", "run_options", "compare_runs", "compare_vie
 def fleet_rows(engine: Engine, *, family: str | None = None, status: str | None = None, q: str | None = None,
                limit: int = 2000) -> list[dict[str, Any]]:
     """Runs (running ones first, then newest) with their figures, top bottleneck and firing alerts."""
-    runs = run_store.fleet_runs(engine, family=family, status=status, q=q, limit=limit)
+    runs = scope.visible_rows(run_store.fleet_runs(engine, family=family, status=status, q=q, limit=limit))
     firing = alerts.firing_counts(engine, [r.id for r in runs])
     figs = figures(engine, runs)
     out = []
@@ -50,20 +51,21 @@ def families(engine: Engine) -> list[str]:
 
 def run_options(engine: Engine, limit: int = 1000) -> list[dict[str, Any]]:
     """(id, name, model_family, world_size) of recent runs, for pickers."""
-    return run_store.run_options(engine, limit)
+    rows = scope.visible_rows(run_store.run_options(engine, limit), key=lambda d: d.get("owner_key"))
+    return [{k: v for k, v in d.items() if k != "owner_key"} for d in rows]
 
 
 def compare_runs(engine: Engine, run_ids: Sequence[int]) -> dict[str, Any]:
     """Runs side by side in normalised units with the first run as reference and the config diff
     (``analysis.scaling.compare_runs``)."""
-    found = run_store.runs_by_ids(engine, run_ids)
+    found = {i: r for i, r in run_store.runs_by_ids(engine, run_ids).items() if scope.visible_rows([r])}
     return _compare_runs(run_ids, {r.id: (r, f) for r, f in with_figures(engine, list(found.values()))})
 
 
 def compare_view(engine: Engine, run_ids: list[int], *, max_points: int = 400) -> dict[str, Any]:
     """Runs side by side for the Compare page: normalised metrics, config diff, step-time series
     aligned by step (min/max reduced) and each run's communication by parallel dimension."""
-    found = run_store.runs_by_ids(engine, run_ids)
+    found = {i: r for i, r in run_store.runs_by_ids(engine, run_ids).items() if scope.visible_rows([r])}
     ordered = [found[i] for i in run_ids if i in found]
     figs = figures(engine, ordered)
     metrics = {}
@@ -100,7 +102,8 @@ def compare_view(engine: Engine, run_ids: list[int], *, max_points: int = 400) -
 def scaling(engine: Engine, *, family: str, device_type: str | None = None, signature: str | None = None,
             status: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Scaling curves of a family (``analysis.scaling.scaling``)."""
-    return _scaling(family, with_figures(engine, run_store.family_runs(engine, family)), device_type=device_type,
+    return _scaling(family, with_figures(engine, scope.visible_rows(run_store.family_runs(engine, family))),
+                    device_type=device_type,
                     signature=signature, status=status)
 
 

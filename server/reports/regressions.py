@@ -17,7 +17,7 @@ from ..downsample import minmax_series
 from ..store import alert_inputs, alerts, benchmarks, collectives, steps
 from ..store import runs as run_store
 from ..store.rows import RunRow
-from . import _cache
+from . import _cache, scope
 from .network import network_findings
 from .runs import figures, stragglers, with_figures
 from .tokens import run_token_balance
@@ -47,16 +47,32 @@ def run_series_regressions(engine: Engine, *, run_ids: Sequence[int] | None = No
     found: list[rg.Regression] = []
     evaluated: set[str] = set()
     for fam in fams:
-        runs = with_figures(engine, run_store.family_runs(engine, fam))
-        sums = alert_inputs.collective_sums(engine, [r.id for r, f in runs if f.steps >= rg.MIN_RUN_STEPS])
-        extra = {rid: rg.busbw_by_op([(op, n, b, t) for op, n, _d, b, t, _e in rows]) for rid, rows in sums.items()}
-        f, e = rg.run_series_regressions(runs, run_ids=run_ids, extra=extra)
-        by_id = {r.id: (r, fig) for r, fig in runs}
-        for reg in f:
-            explain_run_regression(engine, reg, by_id, sums)
-        found += f
-        evaluated |= e
+        # one series per owner namespace: another team's runs never enter a team's baseline
+        for owned in _by_namespace(run_store.family_runs(engine, fam)):
+            if run_ids is not None and not any(r.id in run_ids for r in owned):
+                continue
+            runs = with_figures(engine, owned)
+            sums = alert_inputs.collective_sums(engine, [r.id for r, f in runs if f.steps >= rg.MIN_RUN_STEPS])
+            extra = {rid: rg.busbw_by_op([(op, n, b, t) for op, n, _d, b, t, _e in rows]) for rid, rows in sums.items()}
+            f, e = rg.run_series_regressions(runs, run_ids=run_ids, extra=extra)
+            by_id = {r.id: (r, fig) for r, fig in runs}
+            for reg in f:
+                explain_run_regression(engine, reg, by_id, sums)
+            found += f
+            evaluated |= e
     return found, evaluated
+
+
+def _by_namespace(runs: Sequence[RunRow]) -> list[list[RunRow]]:
+    """The runs split by owner namespace (``runs.owner_key``), each list in the given order."""
+    out: dict[str, list[RunRow]] = {}
+    for r in runs:
+        out.setdefault(r.owner_key, []).append(r)
+    return list(out.values())
+
+
+def _same_namespace(runs: Sequence[RunRow], run: RunRow) -> list[RunRow]:
+    return [r for r in runs if r.owner_key == run.owner_key]
 
 
 def _run_comm(engine: Engine, run: RunRow, fig: RunFigures, sums: list[alert_inputs.CollectiveSum]) -> explain.RunComm:
@@ -150,7 +166,9 @@ def check_run(engine: Engine, run_id: int, *, max_baseline: int = 20) -> dict[st
     run = run_store.get_run(engine, run_id, pending=False)
     if run is None:
         return None
-    family = run_store.family_runs(engine, run.model_family) if run.model_family is not None else [run]
+    # the baseline: the family's runs of the run's own namespace (its team's, or its token's)
+    family = (_same_namespace(run_store.family_runs(engine, run.model_family), run) if run.model_family is not None
+              else [run])
     figs = figures(engine, [*family, run])
     return rg.check_verdict((run, figs[run.id]), [(r, figs[r.id]) for r in family],
                             step_shift_regression(engine, run_id), max_baseline=max_baseline)
@@ -170,17 +188,27 @@ def _explained(a: dict[str, Any]) -> dict[str, Any]:
 def list_alerts(engine: Engine, *, state: str | None = None, kind: str | None = None, run_id: int | None = None,
                 limit: int = 500) -> list[dict[str, Any]]:
     """Alerts newest first, optionally by state, kind or run; each with ``cause``, ``diff`` and ``explanation``."""
-    return [_explained(a) for a in alerts.list_alerts(engine, state=state, kind=kind, run_id=run_id, limit=limit)]
+    return [_explained(a) for a in _visible_alerts(
+        engine, alerts.list_alerts(engine, state=state, kind=kind, run_id=run_id, limit=limit))]
+
+
+def _visible_alerts(engine: Engine, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The alerts the current reader may see: those of its runs, and those of no run (benchmarks)."""
+    if scope.visible_keys() is None:
+        return rows
+    return [a for a in rows if a.get("run_id") is None or scope.is_visible(engine, int(a["run_id"]))]
 
 
 def get_alert(engine: Engine, alert_id: int) -> dict[str, Any] | None:
     a = alerts.get_alert(engine, alert_id)
-    return _explained(a) if a is not None else None
+    if a is None or not _visible_alerts(engine, [a]):
+        return None
+    return _explained(a)
 
 
 def alerts_view(engine: Engine, *, state: str | None = None, limit: int = 500) -> list[dict[str, Any]]:
     """Alerts, newest first, optionally by state, with their run's name and family and the explanation."""
-    return [_explained(a) for a in alerts.alerts_with_runs(engine, state=state, limit=limit)]
+    return [_explained(a) for a in _visible_alerts(engine, alerts.alerts_with_runs(engine, state=state, limit=limit))]
 
 
 _RUN_METRICS = {"tokens_per_s", "step_s", "step_s_p95", "mfu", "packing_efficiency", "data_s", "compute_s",
@@ -227,7 +255,8 @@ def alert_series(engine: Engine, alert: dict[str, Any], *, max_points: int = 100
         base = run_store.get_run(engine, int(run_id), pending=False)
         if base is None:
             return None
-        runs = run_store.comparable_runs(engine, base.model_family, base.world_size, base.device_type)[::-1]  # oldest first
+        runs = _same_namespace(run_store.comparable_runs(engine, base.model_family, base.world_size,
+                                                         base.device_type), base)[::-1]  # oldest first
         figs = figures(engine, runs)
         xs, ys, labels, change = [], [], [], None
         bad_id = first_bad.get("run_id") or run_id
@@ -256,7 +285,8 @@ def benchmark_series(engine: Engine, *, cluster: str | None = None, name: str | 
     """Benchmark series with their latest ``points`` points, as the API shows them."""
     out = []
     for s, pts in benchmarks.series(engine, cluster=cluster, name=name,
-                                    series_ids=[series_id] if series_id is not None else None, limit_points=points):
+                                    series_ids=[series_id] if series_id is not None else None, limit_points=points,
+                                    owners=scope.visible_keys()):
         out.append({"id": s.id, "name": s.name, "cluster": s.cluster, "params": s.params, "unit": s.unit,
                     "points": [{"ts": t.isoformat(), "value": v, "git_commit": g} for t, v, g in pts]})
     return out
@@ -264,4 +294,4 @@ def benchmark_series(engine: Engine, *, cluster: str | None = None, name: str | 
 
 def benchmarks_view(engine: Engine) -> list[dict[str, Any]]:
     """Microbenchmark series (name, cluster, params, unit) with their points in time order."""
-    return benchmarks.series_with_points(engine)
+    return benchmarks.series_with_points(engine, scope.visible_keys())

@@ -9,12 +9,14 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from ..analysis.goodput import CHECKPOINT_KINDS, EVAL_KINDS
 from ..store import run_query, scalars, step_rows
 from ..store import runs as run_store
 from ..store.run_query import FIGURES, QueryError, RunQuery
+from . import scope
 from .runs import figures as run_figures
 
-__all__ = ["runs_view", "groups_view", "run_scalars", "run_steps", "QueryError", "RunQuery", "parse_query",
+__all__ = ["runs_view", "groups_view", "run_scalars", "run_steps", "scalar_names", "CHECKPOINT_KINDS", "EVAL_KINDS", "QueryError", "RunQuery", "parse_query",
            "FIGURES", "STALE_REFRESH", "parse_clauses",
            "key_options"]
 
@@ -47,6 +49,7 @@ def runs_view(engine: Engine, q: RunQuery, *, columns: Sequence[str] = (), with_
     (fresh, when asked) and ``columns`` ({column: value} of the requested extra columns)."""
     if _uses_figures(q, columns):
         _refresh(engine)
+    q.owners = scope.visible_keys()  # the reader's runs only (reports/scope.py)
     total, rows, extras = run_query.query_runs(engine, q, columns=columns)
     figs = run_figures(engine, rows) if with_figures and rows else {}
     out = []
@@ -64,17 +67,28 @@ def groups_view(engine: Engine, q: RunQuery) -> dict[str, Any]:
     """``{"groups": [{key: value, …, "count", "median_mfu", "median_tokens_per_s_per_gpu",
     "median_step_s"}], "group_by": [...], "total": runs matching}``."""
     _refresh(engine)
+    q.owners = scope.visible_keys()
     groups = run_query.group_runs(engine, q)
     return {"groups": groups, "group_by": q.group_by, "total": sum(g["count"] for g in groups)}
 
 
+def scalar_names(engine: Engine, run_id: int) -> list[str]:
+    """The training scalars a run logged (names), for pickers; none for a run the reader may not see."""
+    if not scope.is_visible(engine, run_id):
+        return []
+    return scalars.scalar_names(engine, run_id)
+
+
 def run_scalars(engine: Engine, run_id: int, names: Sequence[str] | None, max_points: int) -> dict[str, Any]:
+    scope.check_visible(engine, run_id)
     return {"scalars": scalars.run_scalars(engine, run_id, names, max_points),
             "names": scalars.scalar_names(engine, run_id)}
 
 
 def run_steps(engine: Engine, run_id: int, *, offset: int, limit: int, after: int | None) -> dict[str, Any] | None:
     """``{"steps": [row, …], "total", "offset", "limit", "fields"}`` or None without such a run."""
+    if not scope.is_visible(engine, run_id):
+        return None
     run = run_store.get_run(engine, run_id, pending=False)
     if run is None:
         return None

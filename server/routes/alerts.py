@@ -11,6 +11,7 @@ from .. import alerts as alert_lifecycle
 from .. import reports
 from ..api_models import RunCheck
 from ..deps import AdminAuth, State
+from ..reads import ReadState
 from ..schemas import AlertOut, AlertsResponse
 
 router = APIRouter(tags=["alerts"])
@@ -21,7 +22,7 @@ RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
 
 @router.get("/alerts", response_model=AlertsResponse, summary="Alerts, newest first")
 def get_alerts(
-    st: State,
+    st: ReadState,
     state: Annotated[str | None, Query(pattern="^(firing|resolved|acknowledged)$")] = None,
     kind: Annotated[str | None, Query(pattern="^(run_series|benchmark|step_time_shift|straggler|slow_node|hang|node_lost|failure)$")] = None,
     run_id: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
@@ -31,7 +32,7 @@ def get_alerts(
 
 
 @router.get("/alerts/{alert_id}", response_model=AlertOut, summary="One alert")
-def get_alert(alert_id: AlertId, st: State) -> dict[str, Any]:
+def get_alert(alert_id: AlertId, st: ReadState) -> dict[str, Any]:
     a = reports.get_alert(st.engine, alert_id)
     if a is None:
         raise HTTPException(status_code=404, detail=f"alert {alert_id} not found")
@@ -57,7 +58,7 @@ def post_resolve(alert_id: AlertId, st: State) -> dict[str, Any]:
 
 @router.get("/runs/{run_id}/check", tags=["regressions"], response_model=RunCheck,
             summary="Is this run a regression against its family's baseline? (fleetscope check)")
-async def get_check(run_id: RunId, st: State) -> dict[str, Any]:
+async def get_check(run_id: RunId, st: ReadState) -> dict[str, Any]:
     res = await run_in_threadpool(reports.check_run, st.engine, run_id)
     if res is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")

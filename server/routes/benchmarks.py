@@ -11,8 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .. import reports
 from ..api_models import BenchmarkList, BenchmarkSeries, BenchmarksRecorded
-from ..deps import IngestAuth, State
+from ..deps import IngestAuth, IngestCaller, State
 from ..jsonsafe import valid_json, valid_text
+from ..reads import ReadState
 from ..store import benchmarks as store
 
 router = APIRouter(tags=["benchmarks"])
@@ -62,9 +63,10 @@ class BenchmarkBatch(BaseModel):
 
 
 @router.post("/benchmarks", dependencies=[IngestAuth], response_model=BenchmarksRecorded, summary="Record benchmark points (series keyed by name, cluster, params)")
-def post_benchmarks(batch: BenchmarkBatch, st: State) -> dict[str, Any]:
+def post_benchmarks(batch: BenchmarkBatch, st: State, who: IngestCaller) -> dict[str, Any]:
     now = dt.datetime.now(dt.timezone.utc)
-    ids = store.record_points(st.engine, batch.cluster, [
+    # the caller's own series (its team's, or its token's): no token writes into another's
+    ids = store.record_points(st.engine, batch.cluster, owner_key=who.owner_key, pts=[
         store.PointWrite(p.name, p.params, p.unit, p.value,
                          dt.datetime.fromtimestamp(p.ts, dt.timezone.utc) if p.ts is not None else now, p.git_commit)
         for p in batch.points])
@@ -74,7 +76,7 @@ def post_benchmarks(batch: BenchmarkBatch, st: State) -> dict[str, Any]:
 
 @router.get("/benchmarks", response_model=BenchmarkList, summary="Benchmark series with their points")
 def get_benchmarks(
-    st: State,
+    st: ReadState,
     cluster: Annotated[str | None, Query(max_length=128)] = None,
     name: Annotated[str | None, Query(max_length=128)] = None,
     points: Annotated[int, Query(ge=1, le=100_000)] = 1000,
@@ -83,7 +85,7 @@ def get_benchmarks(
 
 
 @router.get("/benchmarks/{series_id}", response_model=BenchmarkSeries, summary="One benchmark series")
-def get_benchmark(series_id: SeriesId, st: State,
+def get_benchmark(series_id: SeriesId, st: ReadState,
                   points: Annotated[int, Query(ge=1, le=100_000)] = 1000) -> dict[str, Any]:
     s = reports.benchmark_series(st.engine, series_id=series_id, points=points)
     if not s:

@@ -8,8 +8,8 @@ from fastapi import APIRouter, HTTPException, Path, Query
 
 from .. import reports
 from ..api_models import Overlap
-from ..deps import State
 from ..limits import MAX_PAGE_ROWS
+from ..reads import ReadState
 
 router = APIRouter(tags=["runs"])
 
@@ -19,7 +19,7 @@ RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
 @router.get("/runs/{run_id}/overlap", response_model=Overlap,
             summary="One rank-step's collectives placed against backward: exposed parts, tail after backward, overlap")
 def get_overlap(
-    run_id: RunId, st: State,
+    run_id: RunId, st: ReadState,
     step: Annotated[int | None, Query(ge=0, le=2**31 - 1, description="step (default: a recent representative one)")] = None,
     rank: Annotated[int | None, Query(ge=0, le=2**31 - 1, description="rank (default: the step's median step time)")] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_ROWS, description="collectives listed (the longest); the rest are "

@@ -13,6 +13,7 @@ from ..deps import AdminAuth, IngestAuth, IngestCaller, State
 from ..ingest import INGEST_ENCODINGS
 from ..limits import MAX_PAGE_ROWS, MAX_SCALAR_READ_POINTS
 from ..ownership import owners_for
+from ..reads import ReadState
 from ..reports import research
 from ..runs import NotOwner, RunFinish, RunRegistration, delete_run, finish_run, register_run
 from ..schemas import RunsResponse, SummaryResponse
@@ -23,7 +24,8 @@ RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
 
 
 @router.post("/runs", dependencies=[IngestAuth], response_model=RunRegistered,
-             summary="Register a run (idempotent by name within the token's team, else the token; every rank may call it)")
+             summary="Register a run (idempotent by job id and attempt, else by name, within the token's team, else the "
+                     "token; every rank of every node may call it)")
 def post_run(reg: RunRegistration, st: State, who: IngestCaller) -> dict[str, Any]:
     out = register_run(st.engine, reg, owner_token_id=who.token_id, owner_key=who.owner_key)
     st.ingest.forget_run(out["id"])
@@ -64,12 +66,24 @@ _FILTERS_DOC = (
     "naming it.")
 
 
+def _rendered(body: dict[str, Any]) -> Any:
+    """The answer rendered to JSON here, on the worker thread — a page of 10,000 runs is not encoded on
+    the event loop, where it would hold up every other request (``/healthz`` included); the dict itself
+    (FastAPI's encoder) when it holds what plain JSON cannot."""
+    from fastapi.responses import JSONResponse
+
+    try:
+        return JSONResponse(body)
+    except (TypeError, ValueError):
+        return body
+
+
 @router.get("/runs", response_model=RunsResponse, summary="List runs: filtered, sorted and paged in SQL",
             description=_FILTERS_DOC, responses={422: {"description": "A filter, sort or group the server cannot run "
                                                                       "(the message names the parameter)"}})
 async def get_runs(
     request: Request,
-    st: State,
+    st: ReadState,
     name: Annotated[str | None, Query(max_length=256)] = None,
     family: Annotated[str | None, Query(max_length=128)] = None,
     status: Annotated[str | None, Query(max_length=16)] = None,
@@ -88,12 +102,13 @@ async def get_runs(
     figures: Annotated[bool, Query(description="add each run's figures (mfu, step_s, tokens_per_s …)")] = False,
 ) -> Any:
     items = [(k, v) for k, v in request.query_params.multi_items() if k not in ("columns", "figures")]
-    cols = [c.strip() for c in (columns or "").split(",") if c.strip()][:64]
+    cols = [c.strip() for c in (columns or "").split(",") if c.strip()]
     try:
         q = research.parse_query(items)
         if q.group_by:
-            return await run_in_threadpool(lambda: {"runs": [], **research.groups_view(st.engine, q)})
-        return await run_in_threadpool(lambda: research.runs_view(st.engine, q, columns=cols, with_figures=figures))
+            return await run_in_threadpool(lambda: _rendered({"runs": [], **research.groups_view(st.engine, q)}))
+        return await run_in_threadpool(
+            lambda: _rendered(research.runs_view(st.engine, q, columns=cols, with_figures=figures)))
     except research.QueryError as e:
         raise HTTPException(status_code=422, detail=f"{e.param}: {e.message}") from None
 
@@ -101,7 +116,7 @@ async def get_runs(
 @router.get("/runs/{run_id}/scalars", response_model=Scalars, summary="Training scalars of a run (run.log, HF Trainer, Lightning) by step",
             responses={404: {"description": "No such run"}})
 def get_scalars(
-    run_id: RunId, st: State,
+    run_id: RunId, st: ReadState,
     names: Annotated[str | None, Query(max_length=33_000, description="names, comma-separated (default: all)")] = None,
     max_points: Annotated[int, Query(ge=2, le=MAX_SCALAR_READ_POINTS,
                                      description="points per name at most (min/max downsampling)")] = 2_000,
@@ -115,7 +130,7 @@ def get_scalars(
 @router.get("/runs/{run_id}/steps", response_model=Steps, summary="A run's per-step rows (decomposition, MFU, throughput), paged",
             responses={404: {"description": "No such run"}})
 def get_steps(
-    run_id: RunId, st: State,
+    run_id: RunId, st: ReadState,
     offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_ROWS)] = MAX_PAGE_ROWS,
     after: Annotated[int | None, Query(ge=-1, le=2**63 - 1, description="rows after this step (a cursor; "
@@ -128,7 +143,7 @@ def get_steps(
 
 
 @router.get("/runs/{run_id}", response_model=RunDetail, summary="One run")
-def get_run(run_id: RunId, st: State) -> dict[str, Any]:
+def get_run(run_id: RunId, st: ReadState) -> dict[str, Any]:
     run = reports.get_run(st.engine, run_id)
     if run is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
@@ -136,7 +151,7 @@ def get_run(run_id: RunId, st: State) -> dict[str, Any]:
 
 
 @router.get("/runs/{run_id}/summary", response_model=SummaryResponse, summary="Run summary (docs/metrics.md)")
-def get_summary(run_id: RunId, st: State) -> Any:
+def get_summary(run_id: RunId, st: ReadState) -> Any:
     s = reports.run_summary(st.engine, run_id)
     if s is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
@@ -144,7 +159,7 @@ def get_summary(run_id: RunId, st: State) -> Any:
 
 
 @router.get("/runs/{run_id}/collectives", response_model=Collectives, summary="Collectives by op × group × message size, with busbw")
-def get_collectives(run_id: RunId, st: State) -> dict[str, Any]:
+def get_collectives(run_id: RunId, st: ReadState) -> dict[str, Any]:
     if reports.get_run(st.engine, run_id) is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
     return {"collectives": reports.run_collectives(st.engine, run_id)}

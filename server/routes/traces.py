@@ -12,6 +12,7 @@ from ..api_models import TraceList
 from ..deps import IngestAuth, IngestCaller, State
 from ..jsonsafe import UnsafeValue, check_json, valid_text
 from ..ownership import forbidden_detail, owners_for
+from ..reads import ReadState
 from ..store.traces import SET_RANK, save_traces
 
 router = APIRouter(tags=["traces"])
@@ -121,7 +122,7 @@ def post_traces(run_id: RunId, body: TraceUpload, st: State, who: IngestCaller) 
 @router.get(
     "/runs/{run_id}/traces", response_model=TraceList, summary="The run's trace summaries (per rank; rank -1: cross-rank figures)"
 )
-def get_traces(run_id: RunId, st: State) -> dict[str, Any]:
+def get_traces(run_id: RunId, st: ReadState) -> dict[str, Any]:
     if reports.get_run(st.engine, run_id) is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
     return {"run_id": run_id, "traces": reports.run_traces(st.engine, run_id)}

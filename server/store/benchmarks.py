@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,12 +40,14 @@ def _params_key(params: dict[str, Any]) -> str:
 _CHUNK = 1000  # rows per multi-row INSERT (5 parameters a series row: under Postgres' 65,535)
 
 
-def record_points(engine: Engine, cluster: str, pts: Sequence[PointWrite]) -> list[int]:
+def record_points(engine: Engine, cluster: str, pts: Sequence[PointWrite], *, owner_key: str = "") -> list[int]:
     """Upsert each point's series and the point itself (one per series and time) in one transaction;
     returns the series id of each point. A series keeps the params it was created with and the unit of
     its last point here; a point sent twice in the batch keeps the last value. Multi-row statements,
     not two per point: on Citus both tables are reference tables, each statement a round trip to every
-    node (10,000 points one by one took minutes there)."""
+    node (10,000 points one by one took minutes there). A series belongs to the namespace that records
+    it (``owner_key``, migration 0018): another namespace's points for the same name and cluster go to a
+    series of its own."""
     keys = [(p.name, _params_key(p.params)) for p in pts]
     first: dict[tuple[str, str], PointWrite] = {}
     unit: dict[tuple[str, str], str] = {}
@@ -57,15 +59,15 @@ def record_points(engine: Engine, cluster: str, pts: Sequence[PointWrite]) -> li
         skeys = list(first)
         for i in range(0, len(skeys), _CHUNK):
             part = skeys[i:i + _CHUNK]
-            params: dict[str, Any] = {"c": cluster}
+            params: dict[str, Any] = {"c": cluster, "o": owner_key}
             values = []
             for j, k in enumerate(part):
-                values.append(f"(:n{j}, :c, :k{j}, CAST(:p{j} AS jsonb), :u{j})")
+                values.append(f"(:o, :n{j}, :c, :k{j}, CAST(:p{j} AS jsonb), :u{j})")
                 params.update({f"n{j}": k[0], f"k{j}": k[1], f"p{j}": json.dumps(first[k].params, default=str),
                                f"u{j}": unit[k]})
             for row in c.execute(text(
-                    "INSERT INTO benchmark_series (name, cluster, params_key, params, unit) VALUES "
-                    + ", ".join(values) + " ON CONFLICT (name, cluster, params_key) "
+                    "INSERT INTO benchmark_series (owner_key, name, cluster, params_key, params, unit) VALUES "
+                    + ", ".join(values) + " ON CONFLICT (owner_key, name, cluster, params_key) "
                     "DO UPDATE SET unit = excluded.unit RETURNING id, name, params_key"), params):
                 sid[(row.name, row.params_key)] = int(row.id)
         last: dict[tuple[int, dt.datetime], PointWrite] = {}
@@ -87,10 +89,15 @@ def record_points(engine: Engine, cluster: str, pts: Sequence[PointWrite]) -> li
 
 
 def series(engine: Engine, *, cluster: str | None = None, name: str | None = None, series_ids: Sequence[int] | None = None,
-           limit_points: int | None = None) -> list[tuple[SeriesRow, list[tuple[dt.datetime, float, str | None]]]]:
-    """Series (by name, cluster, id) with their points in time order (the latest ``limit_points``)."""
+           limit_points: int | None = None, owners: Collection[str] | None = None,
+           ) -> list[tuple[SeriesRow, list[tuple[dt.datetime, float, str | None]]]]:
+    """Series (by name, cluster, id; of the ``owners`` namespaces when given) with their points in time
+    order (the latest ``limit_points``)."""
     where: list[str] = []
     params: dict[str, Any] = {}
+    if owners is not None:
+        where.append("owner_key = ANY(:owners)")
+        params["owners"] = sorted(owners)
     if cluster:
         where.append("cluster = :cluster")
         params["cluster"] = cluster
@@ -119,13 +126,17 @@ def series(engine: Engine, *, cluster: str | None = None, name: str | None = Non
     return out
 
 
-def series_with_points(engine: Engine) -> list[dict[str, Any]]:
-    """Every series (id, name, cluster, params_key, params, unit) with ``ts``/``value``/``git_commit``
-    lists in time order (two queries, whatever the number of series)."""
+def series_with_points(engine: Engine, owners: Collection[str] | None = None) -> list[dict[str, Any]]:
+    """Every series (id, name, cluster, params_key, params, unit; of the ``owners`` namespaces when given)
+    with ``ts``/``value``/``git_commit`` lists in time order (two queries, whatever the number of series)."""
+    own = "" if owners is None else " WHERE owner_key = ANY(:owners)"
+    params = {} if owners is None else {"owners": sorted(owners)}
     with engine.connect() as c:
         out = [dict(r._mapping) for r in c.execute(
-            text("SELECT id, name, cluster, params_key, params, unit FROM benchmark_series ORDER BY name, cluster, params_key"))]
-        pts = c.execute(text("SELECT series_id, ts, value, git_commit FROM benchmark_points ORDER BY series_id, ts")).fetchall()
+            text("SELECT id, name, cluster, params_key, params, unit FROM benchmark_series" + own
+                 + " ORDER BY name, cluster, params_key"), params)]
+        pts = c.execute(text("SELECT series_id, ts, value, git_commit FROM benchmark_points WHERE series_id = ANY(:ids) "
+                             "ORDER BY series_id, ts"), {"ids": [s["id"] for s in out]}).fetchall()
     by: dict[int, list[tuple[Any, float, Any]]] = {}
     for sid, ts, v, commit in pts:
         by.setdefault(sid, []).append((ts, v, commit))

@@ -231,3 +231,21 @@ def placement_summary(conn: Connection) -> dict[str, Any]:
         text("SELECT nodename, nodeport, count(*) FROM citus_shards GROUP BY 1, 2 ORDER BY 1, 2")
     ).all()
     return {f"{h}:{p}": int(n) for h, p, n in rows}
+
+
+def distribute_database(url: str, *, make_engine: Any, upgrade: Any) -> tuple[Plan, list[str], dict[str, int]]:
+    """Refuse a database without Citus (:class:`NotCitus`) before migrating anything, migrate
+    (``upgrade(url)``), distribute, and report shards per node. Returns (the plan, the statements run —
+    none when already distributed, {node: shards})."""
+    engine = make_engine(url, pool_size=1)
+    try:
+        with engine.connect() as c:
+            if citus_version(c) is None:
+                raise NotCitus("CREATE EXTENSION citus")
+        upgrade(url)
+        plan, done = distribute(engine)
+        with engine.connect() as c:
+            nodes = placement_summary(c)
+        return plan, done, nodes
+    finally:
+        engine.dispose()

@@ -42,6 +42,7 @@ class RunRow:
     thinned: dict[str, Any] | None = None  # what retention removed ({"blocks": iso, "rollups": iso})
     job_id: str | None = None  # the job this run is an attempt of (migration 0016)
     attempt: int = 0  # 0 = the job's first attempt, k = its k-th restart
+    owner_key: str = ""  # the run's namespace (migration 0013): 'team:<t>', 'token:<id>', '' without owner
 
     @property
     def version(self) -> tuple[int, int, int, int | None, str, int]:

@@ -38,7 +38,8 @@ from .rows import RunRow
 from .runs import _COLS, _row, _snapshot, _with_pending
 
 __all__ = ["Filter", "RunQuery", "QueryError", "parse_query", "query_runs", "group_runs", "stale_figure_runs",
-           "FIGURES", "OPERATORS", "MAX_GROUPS", "MAX_FILTERS", "key_options", "parse_clauses"]
+           "FIGURES", "OPERATORS", "MAX_GROUPS", "MAX_FILTERS", "MAX_VALUES", "MAX_SCALARS", "MAX_SORT_KEYS",
+           "MAX_COLUMNS", "key_options", "parse_clauses", "check_columns"]
 
 OPERATORS = ("=", "!=", "<", ">", "<=", ">=", "in")
 _PREFIX_OPS = {"eq": "=", "ne": "!=", "lt": "<", "gt": ">", "le": "<=", "ge": ">=", "in": "in"}
@@ -56,7 +57,15 @@ _AGGS = (("mfu", "mfu"), ("tokens_per_s_per_gpu", "tokens_per_s_per_gpu"), ("ste
 GROUP_SORTS = ("count", *(f"median_{a}" for a, _ in _AGGS))
 #: groups one grouped query returns at most; filters one query may hold
 MAX_GROUPS = 1_000
-MAX_FILTERS = 64
+MAX_FILTERS = 32
+#: what one query may ask for at most (a 422 naming the cap): every filter's values together, distinct
+#: training scalars (filters, sorts and columns together), sort keys, extra columns
+MAX_VALUES = 512
+MAX_SCALARS = 8
+MAX_SORT_KEYS = 8
+MAX_COLUMNS = 64
+#: unix seconds accepted as times: 1970 .. 9999-12-31
+_MAX_UNIX_S = 253_402_300_799.0
 _KEY = re.compile(r"^[^\x00-\x1f]{1,128}$")
 _SCALAR = re.compile(r"^scalar\.(.{1,128})\.(last|min)$")
 _RESERVED = {"sort", "offset", "limit", "group_by", "figures", "columns"}
@@ -85,6 +94,8 @@ class RunQuery:
     offset: int = 0
     limit: int = 100
     group_by: list[str] = field(default_factory=list)
+    #: the owner namespaces (``runs.owner_key``) the reader sees; None: every run (reports/scope.py)
+    owners: frozenset[str] | None = None
 
 
 def _split_param(key: str, value: str) -> tuple[str, str, str]:
@@ -134,6 +145,8 @@ def parse_query(items: Iterable[tuple[str, str]], *, default_limit: int = 100, m
                     _check_field(name, "sort")
                 if name in ("tag", "since", "until"):
                     raise QueryError("sort", f"cannot sort by {name!r}")
+                if len(q.sort) >= MAX_SORT_KEYS:
+                    raise QueryError("sort", f"at most {MAX_SORT_KEYS} sort keys")
                 q.sort.append((name, desc))
             continue
         if key in ("offset", "limit"):
@@ -162,7 +175,7 @@ def parse_query(items: Iterable[tuple[str, str]], *, default_limit: int = 100, m
         name, op, val = _split_param(key, value)
         _check_field(name, key)
         if len(q.filters) >= MAX_FILTERS:
-            raise QueryError(key, f"more than {MAX_FILTERS} filters")
+            raise QueryError(key, f"more than {MAX_FILTERS} filters (the cap per request)")
         if name in ("since", "until") and op != "=":
             raise QueryError(key, f"{name} takes a time: {name}=2026-01-31T00:00 or unix seconds")
         if op == "in":
@@ -172,7 +185,32 @@ def parse_query(items: Iterable[tuple[str, str]], *, default_limit: int = 100, m
             q.filters.append(Filter(name, op, parts))
         else:
             q.filters.append(Filter(name, op, val))
+        if name in ("since", "until"):
+            _time(val, key)  # out of range or malformed: the 422 now, before any SQL
+        if sum(len(f.value) if isinstance(f.value, list) else 1 for f in q.filters) > MAX_VALUES:
+            raise QueryError(key, f"more than {MAX_VALUES} filter values in all (the cap per request)")
+    _check_scalars([f.field for f in q.filters] + [n for n, _d in q.sort], "scalar")
     return q
+
+
+def _check_scalars(fields: Iterable[str], param: str) -> None:
+    names = {m.group(1) for m in (_SCALAR.match(f) for f in fields) if m}
+    if len(names) > MAX_SCALARS:
+        raise QueryError(param, f"{len(names)} training scalars in one request; at most {MAX_SCALARS} (filters, sorts "
+                                "and columns together)")
+
+
+def check_columns(columns: Sequence[str], q: RunQuery | None = None) -> list[str]:
+    """The extra columns of a request, checked: known fields, at most MAX_COLUMNS, and at most MAX_SCALARS
+    training scalars together with the query's own. QueryError (param ``columns``) otherwise."""
+    cols = list(dict.fromkeys(c for c in columns if c))
+    if len(cols) > MAX_COLUMNS:
+        raise QueryError("columns", f"{len(cols)} columns; at most {MAX_COLUMNS} per request")
+    for c in cols:
+        _check_field(c, "columns")
+    extra = [f.field for f in q.filters] + [n for n, _d in q.sort] if q is not None else []
+    _check_scalars([*cols, *extra], "columns")
+    return cols
 
 
 _OP_PREFIX = {v: k for k, v in _PREFIX_OPS.items()}
@@ -217,13 +255,18 @@ def _number(v: str) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def _time(v: str, param: str) -> dt.datetime:
+def _time(v: Any, param: str) -> dt.datetime:
+    if not isinstance(v, str):
+        raise QueryError(param, "takes one time (ISO 8601 or unix seconds)")
     f = _number(v)
     if f is not None:
+        if not 0 <= f <= _MAX_UNIX_S:
+            raise QueryError(param, f"time out of range: {v[:40]!r} (unix seconds from 0 to {_MAX_UNIX_S:.0f}, "
+                                    "the year 9999)")
         return dt.datetime.fromtimestamp(f, tz=dt.timezone.utc)
     try:
         t = dt.datetime.fromisoformat(v.replace("Z", "+00:00"))
-    except ValueError:
+    except (ValueError, OverflowError):
         raise QueryError(param, f"not a time: {v[:40]!r} (ISO 8601 or unix seconds)") from None
     return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)
 
@@ -234,10 +277,11 @@ class _Sql:
     def __init__(self) -> None:
         self.params: dict[str, Any] = {}
         self.figures = False
-        #: (scalar, last|min) -> alias of its LEFT JOIN (``_from``): per-run values joined by run id, not
-        #: subqueries correlated with ``r.id``, which Citus refuses (``runs`` is a reference table there)
-        self.scalars: dict[tuple[str, str], str] = {}
-        self.joins: list[str] = []
+        #: training scalar name -> its index in the one scalar join (``_from``): every ``scalar.NAME.*`` of a
+        #: query is read in a single pass over ``run_scalar_names`` grouped by run — never a join per
+        #: field, whose planning time explodes with their number — joined by run id (not a subquery
+        #: correlated with ``r.id``, which Citus refuses: ``runs`` is a reference table there)
+        self.scalars: dict[str, int] = {}
 
     def bind(self, v: Any) -> str:
         name = f"p{len(self.params)}"
@@ -257,14 +301,10 @@ class _Sql:
             return f"(CASE WHEN jsonb_typeof(s.stats -> '{name}') = 'number' THEN (s.stats ->> '{name}')::float8 END)"
         m = _SCALAR.match(name)
         if m:
-            key = (m.group(1), m.group(2))
-            alias = self.scalars.get(key)
-            if alias is None:
-                alias = self.scalars[key] = f"sc{len(self.scalars)}"
-                n = self.bind(m.group(1))
-                # the name's summary kept at ingest (store/scalars.py): one row per run and name
-                self.joins.append(f" LEFT JOIN run_scalar_names {alias} ON {alias}.run_id = r.id AND {alias}.name = {n}")
-            return f"{alias}.{'min_value' if m.group(2) == 'min' else 'last_value'}"
+            i = self.scalars.setdefault(m.group(1), len(self.scalars))
+            if len(self.scalars) > MAX_SCALARS:
+                raise QueryError(name, f"at most {MAX_SCALARS} training scalars per request")
+            return f"sc.{'m' if m.group(2) == 'min' else 'l'}{i}"
         col, path = self.json_path(name)
         return f"({col} #> CAST({self.bind(path)} AS text[]))"
 
@@ -343,19 +383,31 @@ class _Sql:
 
 def _where(q: RunQuery, sql: _Sql) -> str:
     conds = [sql.condition(f) for f in q.filters]
+    if q.owners is not None:
+        conds.insert(0, f"r.owner_key = ANY(CAST({sql.bind(sorted(q.owners))} AS text[]))")
     return ("WHERE " + " AND ".join(conds)) if conds else ""
 
 
 def _from(sql: _Sql) -> str:
-    return "runs r" + (" LEFT JOIN run_stats s ON s.run_id = r.id" if sql.figures else "") + "".join(sql.joins)
+    out = "runs r" + (" LEFT JOIN run_stats s ON s.run_id = r.id" if sql.figures else "")
+    if sql.scalars:
+        cols = []
+        for name, i in sql.scalars.items():
+            n = sql.bind(name)
+            cols.append(f"max(min_value) FILTER (WHERE name = {n}) AS m{i}, "
+                        f"max(last_value) FILTER (WHERE name = {n}) AS l{i}")
+        names = sql.bind(list(sql.scalars))
+        # the names' summaries kept at ingest (store/scalars.py): one row per run and name
+        out += (f" LEFT JOIN (SELECT run_id, {', '.join(cols)} FROM run_scalar_names WHERE name = ANY(CAST({names} "
+                "AS text[])) GROUP BY run_id) sc ON sc.run_id = r.id")
+    return out
 
 
 def query_runs(engine: Engine, q: RunQuery, *, columns: Sequence[str] = ()) -> tuple[int, list[RunRow], dict[int, dict[str, Any]]]:
     """(runs matching, the page of them as RunRows, {run id: {column: value}} of the extra ``columns``:
     figures as stored, ``config.KEY`` / ``meta.KEY`` values, ``scalar.NAME.last|min``)."""
     sql = _Sql()
-    for c in columns:
-        _check_field(c, "columns")
+    columns = check_columns(columns, q)
     where = _where(q, sql)
     for n, _d in q.sort:
         if n in GROUP_SORTS:

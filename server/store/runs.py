@@ -48,7 +48,7 @@ __all__ = [
 _COLS = (
     "id, name, model_family, config, config_signature, world_size, mp_size, device_type, device_count, peak_flops, "
     "git_commit, status, meta, started_at, finished_at, last_seen_at, rank_steps, collective_records, steps, last_step, "
-    "thinned, job_id, attempt"
+    "thinned, job_id, attempt, owner_key"
 )
 
 
@@ -66,7 +66,7 @@ def _row(r: Any) -> RunRow:
         finished_at=_iso(m["finished_at"]), last_seen_at=_iso(m["last_seen_at"]), rank_steps=int(m["rank_steps"]),
         collective_records=int(m["collective_records"]), steps=int(m["steps"]), last_step=m["last_step"],
         thinned=m["thinned"] if isinstance(m.get("thinned"), dict) else None,
-        job_id=m.get("job_id"), attempt=int(m.get("attempt") or 0),
+        job_id=m.get("job_id"), attempt=int(m.get("attempt") or 0), owner_key=str(m.get("owner_key") or ""),
     )  # fmt: skip
 
 
@@ -247,10 +247,11 @@ def family_of(engine: Engine, run_id: int) -> tuple[bool, str | None]:
 
 
 def run_options(engine: Engine, limit: int = 1000) -> list[dict[str, Any]]:
-    """(id, name, model_family, world_size) of recent runs, for pickers."""
+    """(id, name, model_family, world_size, owner_key) of recent runs, for pickers."""
     with engine.connect() as c:
         rows = c.execute(
-            text("SELECT id, name, model_family, world_size FROM runs ORDER BY started_at DESC, id DESC LIMIT :n"),
+            text("SELECT id, name, model_family, world_size, owner_key FROM runs ORDER BY started_at DESC, id DESC "
+                 "LIMIT :n"),
             {"n": limit},
         ).fetchall()
     return [dict(r._mapping) for r in rows]
@@ -340,6 +341,19 @@ UPDATE runs SET
 WHERE owner_key = :owner_key AND name = :name AND attempt = :attempt
 RETURNING id, name, world_size
 """
+#: the same, for the run of this job and attempt whatever its name (one job, one run)
+_JOIN_ID = _JOIN.replace("WHERE owner_key = :owner_key AND name = :name AND attempt = :attempt", "WHERE id = :id")
+
+_JOB_LOCK_KEY = 727281  # with a hash of (owner, job id, attempt): pg_advisory_xact_lock(key, hash) around its registration
+_JOB_LOCK = "SELECT pg_advisory_xact_lock(:k, hashtext(:owner_key || chr(31) || :job_id || chr(31) || CAST(:attempt AS text)))"
+#: the run of this (owner, job id, attempt) a registration joins: one the registering process did not
+#: start after it ended (a later run of that job id, e.g. another ``init`` in one process, is a run of its own)
+_JOB_RUN = """
+SELECT id FROM runs
+WHERE owner_key = :owner_key AND job_id = :job_id AND attempt = :attempt
+  AND (finished_at IS NULL OR CAST(:started AS float8) IS NULL OR finished_at >= to_timestamp(CAST(:started AS float8)))
+ORDER BY id DESC LIMIT 1
+"""
 
 
 def upsert_run(engine: Engine, *, name: str, family: str | None, config_json: str, signature: str, world_size: int,
@@ -348,21 +362,38 @@ def upsert_run(engine: Engine, *, name: str, family: str | None, config_json: st
                owner_key: str = "", job_id: str | None = None, attempt: int = 0) -> dict[str, Any]:
     """Create the run, or join the one of that name and ``attempt`` in the namespace ``owner_key`` (``runs.owner_key``:
     'team:<team>', 'token:<id>', or '' for no owner). A name is unique per namespace only: an owner
-    registering a name that another owner holds gets a run of its own and never touches the other's."""
+    registering a name that another owner holds gets a run of its own and never touches the other's.
+
+    One job, one run: a registration with a ``job_id`` joins the run of the same (owner, job id, attempt)
+    whatever name it was registered under (every node of a job, with no coordination between them),
+    unless that run ended before the registering process started (``started_at``); registrations of one
+    job are serialised by a transaction-level advisory lock, so concurrent ones from many nodes create
+    one run. Another attempt of the job is a run of its own, as before."""
     params = {"name": name, "family": family, "config": config_json, "sig": signature, "ws": world_size,
               "mp": mp_size, "dt": device_type, "dc": device_count, "peak": peak_flops, "git": git_commit,
               "meta": meta_json, "started": started_at, "owner": owner_token_id, "owner_key": owner_key,
               "job_id": job_id, "attempt": attempt}
+
+    def joined(row: Any, created: bool) -> dict[str, Any]:
+        return {"id": row.id, "name": row.name, "world_size": row.world_size, "created": created,
+                "attempt": attempt, "job_id": job_id}
+
     with engine.begin() as c:
-        for _ in range(3):  # the run may be deleted between the two statements: then create it again
+        if job_id is not None:
+            c.execute(text(_JOB_LOCK), {**params, "k": _JOB_LOCK_KEY})
+        for _ in range(3):  # the run may be deleted between the statements: then create it again
+            if job_id is not None:
+                rid = c.execute(text(_JOB_RUN), params).scalar()
+                if rid is not None:
+                    row = c.execute(text(_JOIN_ID), {**params, "id": rid}).one_or_none()
+                    if row is not None:
+                        return joined(row, False)
             row = c.execute(text(_INSERT if started_at is not None else _INSERT_NOW), params).one_or_none()
             if row is not None:
-                return {"id": row.id, "name": row.name, "world_size": row.world_size, "created": True,
-                        "attempt": attempt, "job_id": job_id}
+                return joined(row, True)
             row = c.execute(text(_JOIN), params).one_or_none()
             if row is not None:
-                return {"id": row.id, "name": row.name, "world_size": row.world_size, "created": False,
-                        "attempt": attempt, "job_id": job_id}
+                return joined(row, False)
     raise RuntimeError(f"run {name!r} was deleted while it was being registered; register it again")
 
 

@@ -172,3 +172,126 @@ def test_healthz_and_every_route_answer_503_with_retry_after_while_postgres_is_d
             srv.stop()
         pg.stop()
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _count_lookups(srv: LiveServer) -> list[str | None]:
+    """Wrap the server's token verifier: every database lookup of a token is appended to the list."""
+    verifier = srv.state.tokens
+    real = verifier.authenticate
+    calls: list[str | None] = []
+
+    def counting(authorization: str | None) -> Any:
+        calls.append(authorization)
+        return real(authorization)
+
+    verifier.authenticate = counting
+    return calls
+
+
+def test_a_spray_of_distinct_bad_tokens_from_one_address_is_limited_without_a_lookup_each(server_factory: Any) -> None:
+    """300 different made-up tokens from one address: each of the first ``auth_fail_limit`` is looked up
+    (401), then the address is over its budget of distinct bad tokens: 429, and no more lookups — while a
+    valid token from that address still passes, and one created during the spray passes too."""
+    import secrets
+    import time
+
+    from fleetscope.server.auth import create_token
+
+    srv = server_factory(auth_fail_limit=20, auth_fail_window_s=60, auth_known_tokens_refresh_s=0.5)
+    lookups = _count_lookups(srv)
+    t0 = time.monotonic()
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        codes = [_post(c, "fs_" + secrets.token_urlsafe(32)).status_code for _ in range(300)]
+        elapsed = time.monotonic() - t0
+        assert codes == [401] * 20 + [429] * 280, codes
+        assert len(lookups) == 20  # the database saw the first 20, not the other 280
+        # the token list is read at most once per auth_known_tokens_refresh_s meanwhile (one query, all tokens)
+        assert 1 <= srv.state.tokens.prefix_reads <= 2 + elapsed / 0.5, (srv.state.tokens.prefix_reads, elapsed)
+        r = _post(c, "fs_" + secrets.token_urlsafe(32))
+        assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 61, r.headers
+        assert "from this client" in r.json()["detail"]
+        # a valid token from the limited address passes, again and again (each looked up: revocation holds)
+        n = len(lookups)
+        for _ in range(3):
+            assert _post(c, srv.token).status_code == 200
+        assert len(lookups) == n + 3
+        # so does a token created now, once the server has re-read the token list (within the refresh time)
+        fresh = create_token(srv.state.engine, "fresh", scope="ingest")
+        deadline = time.monotonic() + 10
+        while (r := _post(c, fresh)).status_code == 429 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert r.status_code == 200, r.text
+        # requests without a token have their own count and are not limited by the spray
+        assert _post(c, None).status_code == 401
+
+
+def test_a_token_differing_only_in_case_or_spacing_is_one_credential_for_the_limiter(server_factory: Any) -> None:
+    srv = server_factory(auth_fail_limit=3, auth_fail_window_s=30)
+    lookups = _count_lookups(srv)
+    variants = ["Bearer fs_badtoken", "bearer FS_BADTOKEN", "BEARER   fs_BadToken", "Bearer\tfs_badTOKEN"]
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        codes = [c.post("/api/v1/runs", json=REG, headers={"Authorization": v}).status_code for v in variants]
+        assert codes == [401, 401, 401, 429]  # one credential: its count reached the limit
+        assert len(lookups) == 3
+        # the address is not over its budget of distinct bad tokens (it presented one): another is looked up
+        assert _post(c, "fs_another").status_code == 401 and len(lookups) == 4
+
+
+def _raw_post(url: str, authorization: str) -> int:
+    """POST /api/v1/runs with the Authorization header's bytes exactly as given (httpx refuses surrounding
+    whitespace in a header value; a client on a raw socket can send it)."""
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    body = json.dumps(REG).encode()
+    req = (f"POST /api/v1/runs HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nAuthorization:{authorization}\r\n"
+           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    with socket.create_connection((u.hostname, u.port), timeout=30) as s:
+        s.sendall(req + body)
+        head = b""
+        while b"\r\n" not in head:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            head += chunk
+    return int(head.split(b" ", 2)[1])
+
+
+def test_bearer_token_parsing_is_normalised() -> None:
+    from fleetscope.server.auth import bearer_token
+
+    for authz in ("bearer  fs_x ", "BEARER fs_x", "  Bearer\tfs_x", "BeArEr fs_x  ", "Bearer \t fs_x\t"):
+        assert bearer_token(authz) == "fs_x", authz
+    for authz in (None, "", "Bearer", "Bearer   ", "Basic fs_x", "fs_x", "Bearerfs_x", "Bearer " + "x" * 600):
+        assert bearer_token(authz) is None, authz
+
+
+def test_bearer_scheme_in_any_case_with_odd_spacing_authenticates(server_factory: Any) -> None:
+    srv = server_factory()
+    # surrounding whitespace and a lower-case scheme, byte for byte on the wire
+    for authz in (f" bearer  {srv.token} ", f"BEARER {srv.token}\t", f"\tBeArEr\t{srv.token}  "):
+        assert _raw_post(srv.url, authz) == 200, repr(authz)
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        for authz in (f"bearer  {srv.token}", f"BEARER {srv.token}", f"Bearer\t{srv.token}", f"BeArEr {srv.token}"):
+            r = c.post("/api/v1/runs", json=REG, headers={"Authorization": authz})
+            assert r.status_code == 200, (authz, r.text)
+        # the token itself is case-sensitive: a case variant of a valid token is not valid
+        assert _post(c, srv.token.upper()).status_code == 401
+        # another scheme, or a scheme without a token, is no token at all
+        for authz in (f"Basic {srv.token}", "Bearer", srv.token):
+            r = c.post("/api/v1/runs", json=REG, headers={"Authorization": authz})
+            assert r.status_code == 401, authz
+
+
+def test_a_valid_token_is_never_locked_out_even_after_its_case_variants_failed(server_factory: Any) -> None:
+    """A case variant of a valid token fails (tokens are case-sensitive) and fills the credential's count
+    — the valid token itself still passes: it may be valid, and it never failed."""
+    srv = server_factory(auth_fail_limit=3, auth_fail_window_s=30)
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        wrong = srv.token[:3] + srv.token[3:].swapcase()
+        codes = [_post(c, wrong).status_code for _ in range(4)]
+        assert codes == [401, 401, 401, 429]
+        for _ in range(3):
+            assert _post(c, srv.token).status_code == 200

@@ -102,6 +102,9 @@ def _attach(result: dict[str, Any], *, server: str, token: str | None, run: str,
             body = {**result, "source": source[:512]}
             out = c._check(c.http.post(f"/api/v1/runs/{run_id}/traces", json=body))
     except ApiError as e:
+        if e.status is None:  # no answer: the server was not reached
+            typer.echo(f"error: cannot reach {server}: {e}", err=True)
+            raise typer.Exit(2) from None
         typer.echo(f"error: the server refused the traces: {e}", err=True)
         raise typer.Exit(1) from None
     except httpx.HTTPError as e:

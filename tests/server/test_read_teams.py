@@ -92,7 +92,6 @@ def test_the_facade_scopes_lists_for_the_dashboard(teams: Any) -> None:
         assert [r["id"] for r in reports.compare_view(eng, [a, b])["runs"]] == [a]
     # the dashboard's way in: the principal the edge put in the request's ASGI scope
     from flask import Flask
-
     from fleetscope.dashboard import _state
 
     with Flask(__name__).test_request_context(environ_base={"fleetscope.app_state": srv.app.state,

@@ -8,6 +8,12 @@ starts. From then on, with no change to the training script:
   finder that wraps torch's loader), then, unless the process is torchrun's launcher itself, adds
   two *global* module hooks (``register_module_forward_pre_hook`` / ``register_module_forward_hook``)
   that only count the nesting depth of module calls.
+* The launcher is recognised by what it does, not by its name: in every process, once torch's elastic
+  agent (``LocalElasticAgent``) is imported it is watched (``failures.watch_elastic``), and the process
+  whose agent starts workers — torchrun's, ``python -m torch.distributed.run``'s, ``accelerate
+  launch``'s (which runs torchrun's ``run`` in its own process) — is the launcher: its module and
+  optimizer hooks are removed (``_became_launcher``) and it reports the workers it sees fail. torchrun
+  and ``-m torch.distributed.run`` are also known by name at torch's import, so they get no hooks.
 * The first **top-level** module call in training mode with grad enabled marks a training process.
   The global hooks are removed again (they are not left on every module call). If the script has
   started a run itself (``fleetscope.agent.init``), the launcher yields to it and does nothing more.
@@ -61,6 +67,7 @@ _run: Any = None  # the zero-code run, once started
 _opt_hooks: list[Any] = []  # the global optimizer hooks (from torch's import on)
 _boundary: list[Any] = []  # weakref to the optimizer whose step() ends a step (the first to step)
 _warned: set[str] = set()
+_launcher = False  # this process runs torch's elastic agent (torchrun, accelerate launch …)
 
 
 def _warn_once(where: str, exc: BaseException) -> None:
@@ -70,7 +77,11 @@ def _warn_once(where: str, exc: BaseException) -> None:
 
 
 def is_launcher_process() -> bool:
-    """torchrun's (or torch.distributed.launch's) own process: it starts the ranks, trains nothing."""
+    """The launcher's own process: it starts the ranks, trains nothing. torchrun (or
+    torch.distributed.run / .launch) by name; any process once its elastic agent started workers
+    (``accelerate launch``; ``failures.is_launcher``)."""
+    if _launcher:
+        return True
     argv0 = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     if argv0 in ("torchrun", "torchrun.exe"):
         return True
@@ -94,9 +105,13 @@ def activate() -> None:
         from .flight_recorder import enable
 
         enable()  # the Flight Recorder's buffer, before any process group exists (flight_recorder.py)
+        from .failures import watch_elastic
+
+        # whichever process runs torch's elastic agent is the launcher: it reports its failed workers
+        watch_elastic(_became_launcher)
         from .framework_capture import arm
 
-        arm()  # HF Trainer / Lightning logged metrics and tokens through their callbacks (framework_capture.py)
+        arm()  # HF Trainer / Lightning / Accelerate logged metrics (and HF tokens), no script change (framework_capture.py)
         if "torch" in sys.modules and hasattr(sys.modules["torch"], "nn"):
             _on_torch_imported()
         else:
@@ -136,10 +151,7 @@ def _on_torch_imported() -> None:
     if _started or _module_hooks:
         return
     if is_launcher_process():
-        from .failures import watch_elastic
-
-        watch_elastic()  # torchrun's process: report the workers it sees fail (failures.py)
-        return
+        return  # torchrun's process: it reports the workers it sees fail (watch_elastic, in activate)
     _install_optimizer_hooks()
     from . import pipeline_watch
 
@@ -239,6 +251,17 @@ def _start(module: Any) -> None:
     _opt_hooks.clear()
 
 
+def _became_launcher() -> None:
+    """This process's elastic agent starts workers (``failures.watch_elastic``): it trains nothing, so
+    the hooks that wait for a training forward and for optimizer steps go (``accelerate launch``
+    imported torch, and got them, before it ran torchrun's ``run``)."""
+    global _launcher
+    _launcher = True
+    if _run is None and not _started:
+        _remove_module_hooks()
+        _remove_optimizer_hooks()
+
+
 def _remove_optimizer_hooks() -> None:
     for h in _opt_hooks:
         try:
@@ -249,7 +272,7 @@ def _remove_optimizer_hooks() -> None:
 
 
 def _install_optimizer_hooks() -> None:
-    if _opt_hooks or _run is not None:
+    if _opt_hooks or _run is not None or _launcher:
         return
     from torch.optim import optimizer as om
 

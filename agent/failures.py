@@ -1,6 +1,7 @@
 """Why a rank stopped: ``failure`` events for an uncaught exception, ``sys.exit`` with a non-zero
-code, SIGTERM, and — in torchrun's own process under ``fleetscope run`` — each worker torchrun saw die
-(its exit code or signal, and torchrun's error file when the worker wrote one).
+code, SIGTERM, and — in the launcher's own process under ``fleetscope run``, the one that runs torch's
+elastic agent (torchrun, ``python -m torch.distributed.run``, ``accelerate launch``) — each worker it saw
+die (its exit code or signal, and torchrun's error file when the worker wrote one).
 
 Every hook chains what was there before and never swallows anything: the original
 ``sys.excepthook``/``threading.excepthook`` still runs, ``sys.exit`` still raises, a SIGTERM still
@@ -24,7 +25,7 @@ from typing import Any, NoReturn
 
 from .health import MAX_FRAMES, event, short_path
 
-__all__ = ["install", "record", "failed", "watch_elastic", "MAX_MESSAGE", "FLUSH_S"]
+__all__ = ["install", "record", "failed", "watch_elastic", "is_launcher", "MAX_MESSAGE", "FLUSH_S"]
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ def install(run_getter: Any) -> None:
             pass
 
 
-# --------------------------------------------------------------------------- torchrun's own process
+# ------------------------------------------------- the launcher's own process (torch's elastic agent)
 
 
 def signal_name(exit_code: int | None) -> str | None:
@@ -243,25 +244,59 @@ def signal_name(exit_code: int | None) -> str | None:
 
 
 _elastic_wrapped = False
+_elastic_watched = False
+_launcher = False  # this process runs torch's elastic agent: it starts the ranks, trains nothing
+_on_launcher: list[Any] = []  # called once when this process turns out to be the launcher
 
 
 _LEA = "torch.distributed.elastic.agent.server.local_elastic_agent"
 
 
-def watch_elastic() -> bool:
-    """In torchrun's process: report failed workers (``LocalElasticAgent._monitor_workers``), once
-    torchrun imports its agent (now, if it already did)."""
-    if _elastic_wrapped:
+def is_launcher() -> bool:
+    """Whether this process started workers through torch's elastic agent (``LocalElasticAgent``):
+    torchrun's, ``python -m torch.distributed.run``'s, ``accelerate launch``'s own process, or any
+    other that calls ``torch.distributed.launcher.api.elastic_launch``."""
+    return _launcher
+
+
+def watch_elastic(on_launcher: Any = None) -> bool:
+    """In every process ``fleetscope run`` starts: once torch's elastic agent is imported (now, if it
+    already is), report the workers it sees fail (``LocalElasticAgent._monitor_workers``); the process
+    whose agent starts workers is the launcher (``is_launcher``; ``on_launcher()`` is then called once).
+    Keyed on the agent itself, not on the command's name: torchrun, ``python -m torch.distributed.run``
+    and ``accelerate launch`` (which runs torchrun's ``run`` in its own process) alike. Idempotent."""
+    global _elastic_watched
+    if on_launcher is not None and on_launcher not in _on_launcher:
+        _on_launcher.append(on_launcher)
+        if _launcher:
+            _call_on_launcher()
+    if _elastic_wrapped or _elastic_watched:
         return True
+    _elastic_watched = True
     if _LEA in sys.modules:
         _wrap_elastic()
     else:
         from .import_hook import AfterImport
 
         # importing torchrun's agent ourselves, earlier than torchrun does, changes how it sets up its
-        # workers' stores: wrap it right after torchrun imports it
+        # workers' stores: wrap it right after the launcher imports it (a worker never does)
         sys.meta_path.insert(0, AfterImport({_LEA: _wrap_elastic}))
     return True
+
+
+def _call_on_launcher() -> None:
+    for f in _on_launcher:
+        try:
+            f()
+        except Exception as e:  # noqa: BLE001
+            log.debug("fleetscope: launcher callback failed (%r)", e)
+
+
+def _became_launcher() -> None:
+    global _launcher
+    if not _launcher:
+        _launcher = True
+        _call_on_launcher()
 
 
 def _wrap_elastic() -> None:
@@ -273,6 +308,17 @@ def _wrap_elastic() -> None:
         return
     cls = lea.LocalElasticAgent
     orig = cls._monitor_workers
+    start = cls._start_workers
+
+    def _start_workers(self: Any, worker_group: Any) -> Any:
+        try:
+            _became_launcher()  # this process starts the ranks
+        except Exception:  # noqa: BLE001
+            pass
+        return start(self, worker_group)
+
+    _start_workers.__wrapped__ = start  # type: ignore[attr-defined]
+    cls._start_workers = _start_workers  # type: ignore[method-assign]
 
     def _monitor_workers(self: Any, worker_group: Any) -> Any:
         before = time.time()  # taken before the check looks at the workers

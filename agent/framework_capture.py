@@ -1,11 +1,12 @@
 """Zero-code capture of what training frameworks already log (``fleetscope run``): Hugging Face
 ``Trainer``'s logged metrics and tokens, Lightning's ``self.log`` metrics — through their own callback
-APIs, with no change to the script.
+APIs — and HF Accelerate's ``accelerator.log`` values, with no change to the script.
 
 ``arm()`` (called by ``auto.activate`` in every process ``fleetscope run`` starts; standard library
-only) watches the imports of ``transformers.trainer`` and ``lightning.pytorch.trainer.trainer`` /
-``pytorch_lightning.trainer.trainer`` without importing them. Once such a module has executed, its
-``Trainer.__init__`` is wrapped: every Trainer built afterwards gets one fleetscope callback.
+only) watches the imports of ``transformers.trainer``, ``lightning.pytorch.trainer.trainer`` /
+``pytorch_lightning.trainer.trainer`` and ``accelerate.accelerator`` without importing them. Once such a
+module has executed, its ``Trainer.__init__`` is wrapped: every Trainer built afterwards gets one
+fleetscope callback (``Accelerator.log`` itself is wrapped).
 
 * **HF Trainer** (``_HFCallback``): ``on_log`` → ``run.log`` of the numbers in the logs as
   ``hf/<name>`` (``hf/loss``, ``hf/learning_rate``, ``hf/grad_norm``, ``hf/epoch``,
@@ -20,8 +21,17 @@ only) watches the imports of ``transformers.trainer`` and ``lightning.pytorch.tr
   once per optimizer step (``global_step`` changed) and logs them as ``lightning/<name>`` at step
   ``global_step`` − 1. A metric on an accelerator is copied to the host without blocking and read at
   a later batch once its copy is done (never a device sync).
+* **Accelerate** (``_patch_accelerate``): ``Accelerator.log(values, step=...)`` itself is wrapped — it
+  is what the script calls whether or not a tracker is configured, on every rank (accelerate then runs
+  the trackers on the main process only). The numbers in ``values`` go to ``run.log`` as
+  ``accelerate/<name>`` (a nested mapping, as TensorBoard's ``add_scalars`` takes, as
+  ``accelerate/<name>/<key>``) at ``step`` — the script's own step — or, without one, the step in
+  progress. Python and numpy numbers and one-element CPU tensors are read at once; a one-element tensor
+  on an accelerator is copied to the host without blocking and logged at a later ``log`` call once the
+  copy is done (at ``end_training``, or the run's end, the rest is read). Then accelerate's own ``log``
+  runs, unchanged.
 
-The ``hf/`` and ``lightning/`` prefixes say where a figure comes from. Every callback body is guarded:
+The ``hf/``, ``lightning/`` and ``accelerate/`` prefixes say where a figure comes from. Every callback body is guarded:
 a failure is reported once through the run and the job goes on.
 """
 
@@ -35,12 +45,13 @@ from typing import Any
 
 from .import_hook import AfterImport
 
-__all__ = ["arm", "HF_PREFIX", "LIGHTNING_PREFIX"]
+__all__ = ["arm", "HF_PREFIX", "LIGHTNING_PREFIX", "ACCELERATE_PREFIX"]
 
 log = logging.getLogger(__name__)
 
 HF_PREFIX = "hf/"
 LIGHTNING_PREFIX = "lightning/"
+ACCELERATE_PREFIX = "accelerate/"
 _MAX_PENDING = 64  # device metrics awaiting their host copy (Lightning on an accelerator)
 _armed = False
 
@@ -56,10 +67,11 @@ def arm() -> None:
             "transformers.trainer": _patch_hf,
             "lightning.pytorch.trainer.trainer": _patch_lightning,
             "pytorch_lightning.trainer.trainer": _patch_lightning,
+            "accelerate.accelerator": _patch_accelerate,
         }
         for name, patch in list(targets.items()):
             mod = sys.modules.get(name)
-            if mod is not None and hasattr(mod, "Trainer"):
+            if mod is not None and (hasattr(mod, "Trainer") or hasattr(mod, "Accelerator")):
                 patch(mod)
                 del targets[name]
         if targets:
@@ -259,6 +271,138 @@ def _lightning_callback_class(base: Any) -> Any:
                 run.log(data, step=step)
 
     return FleetscopeLightningCallback
+
+
+# ------------------------------------------------------------------ HF Accelerate
+
+
+def _patch_accelerate(mod: Any) -> None:
+    cls = getattr(mod, "Accelerator", None)
+    if cls is None:
+        return
+    log_fn = cls.__dict__.get("log")
+    if log_fn is None or getattr(log_fn, "_fleetscope_wrapped", False):
+        return
+
+    def log(self: Any, values: Any, step: Any = None, *args: Any, **kwargs: Any) -> Any:
+        try:
+            _accelerate_capture(values, step)
+        except Exception as e:  # noqa: BLE001
+            _report("accelerate", e)
+        return log_fn(self, values, step, *args, **kwargs)
+
+    log._fleetscope_wrapped = True  # type: ignore[attr-defined]
+    log.__wrapped__ = log_fn  # type: ignore[attr-defined]
+    log.__doc__ = log_fn.__doc__
+    cls.log = log
+    end = cls.__dict__.get("end_training")
+    if end is not None and not getattr(end, "_fleetscope_wrapped", False):
+        def end_training(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                run = _run()
+                if run is not None:
+                    _accelerate_pending.resolve(run, wait=True)  # training is over: nothing to stall
+            except Exception as e:  # noqa: BLE001
+                _report("accelerate", e)
+            return end(self, *args, **kwargs)
+
+        end_training._fleetscope_wrapped = True  # type: ignore[attr-defined]
+        end_training.__wrapped__ = end  # type: ignore[attr-defined]
+        end_training.__doc__ = end.__doc__
+        cls.end_training = end_training
+
+
+def _step_of(step: Any) -> int | None:
+    """The step passed to ``Accelerator.log`` as an int (None: none, or one not read without a sync)."""
+    if step is None or type(step) is bool:
+        return None
+    if type(step) is int:
+        return step
+    if type(step).__module__ == "torch" and getattr(getattr(step, "device", None), "type", "cpu") != "cpu":
+        return None  # reading it would synchronise the device
+    try:
+        return int(step.__index__())
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _accelerate_capture(values: Any, step: Any) -> None:
+    run = _run()
+    if run is None or not hasattr(values, "items"):
+        return
+    pending = _accelerate_pending
+    if pending.items:
+        pending.resolve(run)
+    at = _step_of(step)
+    data: dict[str, Any] = {}
+    for k, v in values.items():
+        if not isinstance(k, str):
+            continue
+        if hasattr(v, "items"):  # {"loss": {"train": .., "eval": ..}}: TensorBoard's add_scalars
+            for k2, v2 in v.items():
+                if isinstance(k2, str):
+                    _accelerate_value(run, data, pending, f"{ACCELERATE_PREFIX}{k}/{k2}", v2, at)
+        else:
+            _accelerate_value(run, data, pending, ACCELERATE_PREFIX + k, v, at)
+    if data:
+        run.log(data, step=at)
+
+
+def _accelerate_value(run: Any, data: dict[str, Any], pending: Any, name: str, v: Any, step: int | None) -> None:
+    t = type(v)
+    if t is int or t is float:
+        data[name] = v
+    elif t.__module__ == "torch" and hasattr(v, "device"):
+        if v.device.type == "cpu" or v.numel() != 1:
+            data[name] = v  # run.log reads a one-element CPU tensor, drops (and counts) the rest
+        elif len(pending.items) < _MAX_PENDING:
+            if step is None:  # the step it was logged in (as run.log takes it), not the one it is read in
+                st = run._step
+                step = st.index if st is not None else (run._next_index - 1 if run._nsteps else run._next_index)
+            pending.items.append(_host_copy(step, name, v))
+            pending.at_finish(run)
+    elif t.__module__ == "numpy":
+        data[name] = v
+    # strings (TensorBoard's add_text), images, tables …: not scalars
+
+
+class _Pending:
+    """Accelerator values on a device, copied to the host without blocking, awaiting their copy."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, str, Any, Any]] = []  # (step, name, host copy, copy-done event)
+        self._hooked: Any = None  # the run whose finish reads what is left
+
+    def at_finish(self, run: Any) -> None:
+        """Read what is left when ``run`` finishes (its hooks are removed before it closes)."""
+        if run is None or self._hooked is run:
+            return
+        self._hooked = run
+        pending = self
+
+        class _AtFinish:
+            def remove(self) -> None:
+                if pending.items:
+                    pending.resolve(run, wait=True)
+
+        run._hooks.append(_AtFinish())
+
+    def resolve(self, run: Any, wait: bool = False) -> None:
+        keep = []
+        by_step: dict[int, dict[str, float]] = {}
+        for step, name, host, done in self.items:
+            if done is None or wait or done.query():
+                if wait and done is not None:
+                    done.synchronize()
+                by_step.setdefault(step, {})[name] = float(host.item())
+            else:
+                keep.append((step, name, host, done))
+        self.items = keep
+        for step, data in sorted(by_step.items()):
+            run.log(data, step=step)
+
+
+_accelerate_pending = _Pending()
 
 
 def _host_copy(step: int, name: str, v: Any) -> tuple[int, str, Any, Any]:

@@ -212,3 +212,57 @@ def test_manual_phase_the_exception_left_names_the_failure() -> None:
         assert run._aborted_at == (1, None)  # an aborted step does not advance the index
     finally:
         run.finish()
+
+
+ELASTIC_LAUNCHER = """
+import sys
+import torch  # before the agent starts workers: this process gets the zero-code hooks, for now
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from fleetscope.agent import auto, failures
+
+before = (failures.is_launcher(), len(auto._module_hooks) > 0)
+cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="custom-launch", rdzv_backend="c10d",
+                   rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
+try:
+    elastic_launch(cfg, sys.executable)("worker.py")
+except ChildFailedError:
+    pass
+after = (failures.is_launcher(), len(auto._module_hooks), len(auto._opt_hooks))
+print("before", before, "after", after, flush=True)
+"""
+
+ELASTIC_WORKER = """
+import os, sys, time
+if os.environ["LOCAL_RANK"] == "1":
+    time.sleep(0.5)
+    sys.exit(3)
+time.sleep(30)  # torn down by the agent once rank 1 has exited
+"""
+
+
+def test_any_process_that_runs_the_elastic_agent_is_the_launcher(tmp_path: Path) -> None:
+    """Keyed on torch's elastic agent starting workers, not on the command's name (``accelerate launch``
+    runs torchrun's ``run`` in its own process): a plain ``python launch.py`` calling ``elastic_launch``
+    under ``fleetscope run`` reports its failed worker, and loses the hooks that wait for training."""
+    (tmp_path / "launch.py").write_text(ELASTIC_LAUNCHER)
+    (tmp_path / "worker.py").write_text(ELASTIC_WORKER)
+    with Receiver() as r:
+        full = {k: v for k, v in os.environ.items() if k not in ("FLEETSCOPE_JOB_ID", "FLEETSCOPE_LAUNCH_ID",
+                                                                 "FLEETSCOPE_RUN_NAME", "TORCHELASTIC_RUN_ID")}
+        full.update({"FLEETSCOPE_SERVER": r.url, "FLEETSCOPE_TOKEN": r.token, "OMP_NUM_THREADS": "1",
+                     "FLEETSCOPE_SPOOL_DIR": str(tmp_path / "spool")})
+        res = subprocess.run([sys.executable, "-m", "fleetscope.cli", "run", "--name", "elastic", "--",
+                              sys.executable, "launch.py"], cwd=tmp_path, env=full, capture_output=True, text=True,
+                             timeout=90)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+        assert "before (False, True) after (True, 0, 0)" in res.stdout, res.stdout + res.stderr[-4000:]
+        assert _finish_status(r) == "failed"
+        f = _failures(r)
+        posts = list(r.run_posts)
+    by_rank = {e["data"]["rank"]: e["data"] for e in f}
+    assert by_rank[1]["source"] == "launcher" and by_rank[1]["exit_code"] == 3 and by_rank[1]["signal"] is None, f
+    assert by_rank[1]["local_rank"] == 1 and by_rank[1]["pid"] > 0
+    if 0 in by_rank:  # stopped by the agent after rank 1 exited: not a cause
+        assert by_rank[0]["signal"] == "SIGTERM" and by_rank[0].get("torn_down") is True, f
+    assert [p.get("name") for p in posts] == ["elastic"] and posts[0]["job_id"] == "custom-launch", posts

@@ -21,7 +21,8 @@ cost of the health pass.
    without progress; faster gaps cannot stall by construction (the threshold is never below it).
    Target 0.
 3. **Pass cost.** One health pass over ``--pass-runs`` running runs (ms per run), and one assessment of
-   the hung 16,384-rank run (positions of every rank read, wavefront found).
+   the hung 16,384-rank run (its wavefront computed in SQL, ``store.health.wave_summary``).
+   ``bench/health_scale.py`` measures the same at 262,144 ranks, and failure detection beside it.
 
 Prints ``name: value unit`` lines last.
 """

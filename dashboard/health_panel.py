@@ -22,7 +22,7 @@ STATE_RANK = {"hung": 0, "stalled": 1, "failed": 2, "running": 3}
 
 def _params() -> Any:
     from flask import request
-    from fleetscope.server.health_pass import params_from
+    from fleetscope.server.reports.health import params_from
 
     st = getattr(request.environ.get("fleetscope.app_state"), "fs", None)
     return params_from(getattr(st, "settings", None))
@@ -39,7 +39,7 @@ def _frame(f: dict[str, Any]) -> str:
 
 
 def _ranges(ranks: list[int]) -> str:
-    from fleetscope.server.analysis.health import rank_ranges
+    from fleetscope.server.reports.health import rank_ranges
 
     return rank_ranges(ranks)
 
@@ -67,17 +67,25 @@ def health_panel(rid: int, h: dict[str, Any] | None = None) -> html.Div | None:
         facts.append(html.Li(f"{fmt_num(w.get('ranks'))} ranks wait in {c.get('op')} #{c.get('seq')}"
                              + (f" on dim {c['dim']}" if c.get("dim") else "")))
     if h.get("missing_ranks"):
-        more = h.get("missing_count", 0) - len(h["missing_ranks"])
-        facts.append(html.Li([html.B("never arrived: "), f"ranks {_ranges(h['missing_ranks'])}"
-                              + (f" and {more:,} more" if more > 0 else "")], id="run-health-missing"))
+        # the API lists the first ranks (limits.ranks_listed) and counts them all
+        listed = h["missing_ranks"]
+        total = max(int(h.get("missing_count") or 0), len(listed))
+        what = (f"ranks {_ranges(listed)}" if total == len(listed)
+                else f"{total:,} ranks; the first {len(listed):,}: {_ranges(listed)}")
+        facts.append(html.Li([html.B("never arrived: "), what], id="run-health-missing"))
     if h.get("missing_nodes"):
-        facts.append(html.Li([html.B("nodes: "), ", ".join(h["missing_nodes"][:32])], id="run-health-nodes"))
+        nodes = h["missing_nodes"]
+        n_nodes = max(int(h.get("missing_nodes_count") or 0), len(nodes))
+        facts.append(html.Li([html.B("nodes: "), ", ".join(nodes[:32])
+                              + (f" and {n_nodes - 32:,} more" if n_nodes > 32 else "")], id="run-health-nodes"))
     if facts:
         parts.append(html.Ul(facts, className="fs-health-facts"))
     stacks = h.get("stacks") or {}
     if stacks:
         rows = [[r, html.Code(" → ".join(_frame(f) for f in frames[-4:]))] for r, frames in stacks.items()]
-        parts.append(html.Div([html.H3("Stacks of the ranks that never arrived (innermost last)", className="fs-h3"),
+        first = " (the first of them)" if len(stacks) < int(h.get("missing_count") or 0) else ""
+        parts.append(html.Div([html.H3(f"Stacks of the ranks that never arrived{first} (innermost last)",
+                                       className="fs-h3"),
                                simple_table(["rank", "stack"], rows, tid="run-health-stacks")]))
     fails = h.get("failures") or []
     if fails:

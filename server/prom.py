@@ -9,6 +9,13 @@
 * ``runs`` — per-run gauges of the runs that are running, stalled or hung: at most
   ``metrics_max_runs`` of them, the most recently active first, labelled ``run`` (its name) and
   ``family`` only — never a rank. Two queries and the per-run figures the pages already cache.
+  Runs that ended (failed, finished, aborted) while one of their alerts still fires — a failure
+  alert above all — keep ``fleetscope_run_state``, ``fleetscope_run_state_code`` and
+  ``fleetscope_run_alerts_firing`` (not the step figures, nor the stall gauge) until the alert is
+  acknowledged or resolved: at most ``metrics_max_runs`` more, those with a firing hang, node-lost or
+  failure alert first, then the most recently active. Two more queries. The Prometheus rules
+  (docs/prometheus-rules.yml) page on these alert gauges, so a failed run pages although it is not
+  live any more.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ from typing import Any
 
 from .metrics import RUN_STATES, Group
 from .reports.runs import figures
+from .store import alert_gauges
 from .store import runs as run_store
 from .store.rows import RunRow
 
-__all__ = ["scrape_groups", "LIVE_STATES", "STATE_CODES", "run_gauges"]
+__all__ = ["scrape_groups", "LIVE_STATES", "STATE_CODES", "PAGING_KINDS", "run_gauges"]
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +39,8 @@ log = logging.getLogger(__name__)
 LIVE_STATES = ("running", "stalled", "hung")
 #: ``fleetscope_run_state_code``: one number per state (alert rules compare ``== 2`` for hung, …)
 STATE_CODES = {"running": 0, "stalled": 1, "hung": 2, "failed": 3, "finished": 4, "aborted": 5}
-
-
+#: the alert kinds the run rules page on: an ended run with one of these firing is exported first
+PAGING_KINDS = ("hang", "node_lost", "failure")
 
 def scrape_groups(get_state: Callable[[], Any]) -> Callable[[], dict[str, Group]]:
     """The groups of one scrape, for ``ServiceMetrics(groups=...)``."""
@@ -93,8 +101,10 @@ def scrape_groups(get_state: Callable[[], Any]) -> Callable[[], dict[str, Group]
 
 
 def run_gauges(engine: Any, cap: int, now: float | None = None) -> dict[str, Any]:
-    """The per-run gauge families of the ``cap`` most recently active running, stalled or hung runs.
-    A name shared by two such runs (other owners, attempts) is exported once, for the more recent."""
+    """The per-run gauge families of the ``cap`` most recently active running, stalled or hung runs,
+    and the state and alert gauges of at most ``cap`` ended runs whose alerts still fire. A name shared
+    by two such runs (other owners, attempts) is exported once, for the live or more recent one; the
+    firing alerts of the runs sharing it are added up (a failed attempt's failure still pages)."""
     names = {
         "fleetscope_run_step_seconds": "Median step time of the run (seconds, cross-rank median)",
         "fleetscope_run_steps": "Steps compacted so far",
@@ -104,24 +114,27 @@ def run_gauges(engine: Any, cap: int, now: float | None = None) -> dict[str, Any
         "fleetscope_run_seconds_since_last_step": "Seconds since the last compacted step (the stall gauge)",
         "fleetscope_run_state_code": "The run's state: " + ", ".join(f"{k}={v}" for k, v in STATE_CODES.items()),
         "fleetscope_run_state": "1 for the run's current state (label state)",
-        "fleetscope_run_alerts_firing": "Firing alerts of the run, by kind",
+        "fleetscope_run_alerts_firing": "Firing alerts of the run, by kind (live runs, and ended runs while one fires)",
     }
     series: dict[str, list[tuple[tuple[str, ...], float]]] = {n: [] for n in names}
     if cap > 0:
         ids, firing = run_store.live_runs_and_firing(engine, LIVE_STATES, cap)
-        found = run_store.runs_by_ids(engine, ids) if ids else {}
+        ended, ended_firing = _ended_runs_firing(engine, cap)
+        found = run_store.runs_by_ids(engine, ids + ended) if ids or ended else {}
         rows: list[RunRow] = [found[i] for i in ids if i in found]
+        ended_rows: list[RunRow] = [found[i] for i in ended if i in found]
         figs = figures(engine, rows) if rows else {}
         alerts: dict[int, dict[str, int]] = {}
-        for rid, kind, n in firing:
+        for rid, kind, n in (*firing, *ended_firing):
             alerts.setdefault(int(rid), {})[str(kind)] = int(n)
+        by_labels: dict[tuple[str, str], dict[str, int]] = {}
         now = time.time() if now is None else now
-        seen: set[tuple[str, str]] = set()
         for r in rows:
             lv = (r.name, r.model_family or "")
-            if lv in seen:
+            if lv in by_labels:
+                _add(by_labels[lv], alerts.get(r.id, {}))
                 continue
-            seen.add(lv)
+            by_labels[lv] = dict(alerts.get(r.id, {}))
             f = figs.get(r.id)
             if f is not None:
                 for name, v in (("fleetscope_run_step_seconds", f.step_s), ("fleetscope_run_mfu", f.mfu),
@@ -135,7 +148,17 @@ def run_gauges(engine: Any, cap: int, now: float | None = None) -> dict[str, Any
                 series["fleetscope_run_seconds_since_last_step"].append((lv, max(0.0, now - last)))
             series["fleetscope_run_state_code"].append((lv, float(STATE_CODES.get(r.status, -1))))
             series["fleetscope_run_state"].append(((*lv, r.status), 1.0))
-            for kind, n in sorted(alerts.get(r.id, {}).items()):
+        # ended runs whose alerts fire: their state and alerts only (no stall gauge: they are not late)
+        for r in ended_rows:
+            lv = (r.name, r.model_family or "")
+            if lv in by_labels:
+                _add(by_labels[lv], alerts.get(r.id, {}))
+                continue
+            by_labels[lv] = dict(alerts.get(r.id, {}))
+            series["fleetscope_run_state_code"].append((lv, float(STATE_CODES.get(r.status, -1))))
+            series["fleetscope_run_state"].append(((*lv, r.status), 1.0))
+        for lv, kinds in by_labels.items():
+            for kind, n in sorted(kinds.items()):
                 series["fleetscope_run_alerts_firing"].append(((*lv, kind), float(n)))
     out: dict[str, Any] = {}
     for name, doc in names.items():
@@ -146,6 +169,17 @@ def run_gauges(engine: Any, cap: int, now: float | None = None) -> dict[str, Any
             labels = (*labels, "kind")
         out[name] = (doc, series[name], labels)
     return out
+
+
+def _ended_runs_firing(engine: Any, cap: int) -> tuple[list[int], list[tuple[int, str, int]]]:
+    """The ids of at most ``cap`` ended runs with a firing alert (paging kinds first, then the most
+    recently active) and their firing alerts as (run id, kind, count)."""
+    return alert_gauges.ended_runs_firing(engine, cap, LIVE_STATES, PAGING_KINDS)
+
+
+def _add(into: dict[str, int], more: dict[str, int]) -> None:
+    for kind, n in more.items():
+        into[kind] = into.get(kind, 0) + n
 
 
 def _unix(iso: str | None) -> float | None:

@@ -13,7 +13,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_compose_file_parses_and_wires_postgres_server_and_prometheus() -> None:
+def test_compose_file_parses_and_wires_postgres_server_prometheus_and_alertmanager() -> None:
     doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     svc = doc["services"]
     assert svc["postgres"]["image"].startswith("postgres:16")
@@ -34,8 +34,21 @@ def test_compose_file_parses_and_wires_postgres_server_and_prometheus() -> None:
     assert "fleetscope" in hosts
     prom = svc["prometheus"]
     assert prom["profiles"] == ["monitoring"]
-    scrape = yaml.safe_load((ROOT / "docker" / "prometheus.yml").read_text())["scrape_configs"][0]
+    prom_cfg = yaml.safe_load((ROOT / "docker" / "prometheus.yml").read_text())
+    scrape = prom_cfg["scrape_configs"][0]
     assert scrape["metrics_path"] == "/metrics" and scrape["static_configs"][0]["targets"] == ["fleetscope:8000"]
+    # the rules are loaded, and what fires goes to the Alertmanager service (tests/prometheus checks both
+    # configs with promtool / amtool and runs them for real)
+    assert "./docs/prometheus-rules.yml:/etc/prometheus/rules/fleetscope.yml:ro" in prom["volumes"]
+    assert prom_cfg["rule_files"] == ["/etc/prometheus/rules/fleetscope.yml"]
+    (am_target,) = prom_cfg["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"]
+    am = svc["alertmanager"]
+    assert am_target == "alertmanager:9093" and "alertmanager" in prom["depends_on"]
+    assert am["profiles"] == ["monitoring"] and am["image"].startswith("prom/alertmanager:")
+    mount = "./docker/alertmanager.yml:/etc/alertmanager/alertmanager.yml:ro"
+    assert mount in am["volumes"] and "--config.file=/etc/alertmanager/alertmanager.yml" in am["command"]
+    assert (ROOT / "docker" / "alertmanager.yml").is_file()
+    assert all(p.startswith("127.0.0.1:") for p in am["ports"] + prom["ports"])
 
 
 def test_compose_and_dockerfile_commands_are_accepted_by_the_cli() -> None:

@@ -1,13 +1,14 @@
 """The provisioned Grafana dashboard (docker/grafana) and the Prometheus rules (docs/prometheus-rules.yml):
-every metric their queries use exists in a live ``/metrics`` scrape after some ingest; the rules'
+every metric their queries use exists in a live ``/metrics`` scrape after some ingest; every panel reads
+the ``datasource`` variable, draws its figures in their unit and run states by name; the rules'
 structure is checked here, and ``promtool check rules`` runs on the rules — and on the dashboard's
-queries, wrapped as recording rules — where promtool is installed (Debian's ``prometheus`` package)."""
+queries, wrapped as recording rules — with Debian's promtool (installed with apt-get when missing:
+tests/prometheus/prom_util.py). tests/prometheus runs the queries and the rules in a real Prometheus."""
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -23,7 +24,10 @@ RULES = ROOT / "docs" / "prometheus-rules.yml"
 SYNTHETIC = {"up"}
 _FUNCS = {"sum", "max", "min", "avg", "count", "rate", "irate", "increase", "deriv", "delta", "histogram_quantile",
           "by", "without", "on", "ignoring", "offset", "and", "or", "unless", "bool", "label_values", "humanize",
-          "humanizeDuration", "topk", "bottomk", "group_left", "group_right", "abs", "clamp_min", "clamp_max"}
+          "humanizeDuration", "topk", "bottomk", "group_left", "group_right", "abs", "clamp_min", "clamp_max",
+          "max_over_time", "min_over_time", "last_over_time"}
+#: the data source every panel, target and query variable reads: the dashboard's variable
+DS = {"type": "prometheus", "uid": "${datasource}"}
 
 
 def dashboard() -> dict[str, Any]:
@@ -62,9 +66,20 @@ def metric_names(expr: str) -> set[str]:
 def test_the_dashboard_is_provisioned_and_built_on_the_per_run_gauges() -> None:
     d = dashboard()
     assert d["uid"] == "fleetscope" and d["panels"]
+    # no hard-coded data source: a `datasource` variable (Prometheus, the provisioned one by default)
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    dsv = variables["datasource"]
+    assert dsv["type"] == "datasource" and dsv["query"] == "prometheus" and dsv["current"]["value"] == "prometheus"
+    for v in variables.values():
+        if v["type"] == "query":
+            assert v["datasource"] == DS, v["name"]
     for p in d["panels"]:
         if p["type"] != "row":
-            assert p["targets"] and p["datasource"]["uid"] == "prometheus", p["title"]
+            assert p["targets"] and p["datasource"] == DS, p["title"]
+            for t in p["targets"]:
+                assert t["datasource"] == DS, (p["title"], t["refId"])
+    assert '"uid": "prometheus"' not in json.dumps(d)  # anywhere (a panel's override, a variable ...)
+    assert len({p["id"] for p in d["panels"]}) == len(d["panels"])
     used = set().union(*(metric_names(e) for e in dashboard_exprs()))
     for name in ("fleetscope_run_step_seconds", "fleetscope_run_steps", "fleetscope_run_mfu",
                  "fleetscope_run_tokens_per_second", "fleetscope_run_last_step_timestamp_seconds",
@@ -87,6 +102,46 @@ def test_the_dashboard_is_provisioned_and_built_on_the_per_run_gauges() -> None:
     assert prom["rule_files"] == ["/etc/prometheus/rules/fleetscope.yml"]
 
 
+def _unit_for(expr: str) -> set[str]:
+    """The units a query's figure may be drawn in, from what it reads."""
+    if re.search(r"\brate\(process_cpu_seconds_total\b", expr):
+        return {"percentunit"}  # CPU seconds per second of wall time: 1 = one core busy
+    if "histogram_quantile" in expr and "_seconds_bucket" in expr:
+        return {"s"}
+    if "_timestamp_seconds" in expr and "* 1000" in expr:
+        return {"dateTimeAsIso", "dateTimeFromNow"}
+    if re.search(r"_bytes\b", expr):
+        return {"bytes", "decbytes"}
+    if "fleetscope_run_mfu" in expr:
+        return {"percentunit"}
+    if "fleetscope_run_state_code" in expr or "fleetscope_db_up" in expr:
+        return {"", "none"}  # drawn through value mappings
+    if "rate(" not in expr and "_seconds" in expr:
+        return {"s"}
+    return {"short", "none"}  # counts, and counts per second
+
+
+def test_every_panel_draws_its_figures_in_their_unit_and_run_states_by_name() -> None:
+    from fleetscope.server.prom import STATE_CODES
+
+    for p in dashboard()["panels"]:
+        if p["type"] == "row":
+            continue
+        fc = p.get("fieldConfig", {})
+        default = fc.get("defaults", {}).get("unit", "")
+        for t in p["targets"]:
+            unit = default
+            for o in fc.get("overrides", ()):
+                if o["matcher"] == {"id": "byFrameRefID", "options": t["refId"]}:
+                    unit = next((x["value"] for x in o["properties"] if x["id"] == "unit"), unit)
+            assert unit in _unit_for(t["expr"]), (p["title"], t["expr"], unit)
+        if any("fleetscope_run_state_code" in t["expr"] for t in p["targets"]):
+            (m,) = fc["defaults"]["mappings"]
+            names = {int(k): v["text"] for k, v in m["options"].items()}
+            assert m["type"] == "value" and names == {v: k for k, v in STATE_CODES.items()}, names
+            assert p["type"] == "state-timeline", p["type"]
+
+
 def test_the_rules_are_well_formed() -> None:
     """What promtool checks first, checked here too (so the structure is covered without promtool)."""
     doc = rules()
@@ -96,10 +151,11 @@ def test_the_rules_are_well_formed() -> None:
         assert set(g) <= {"name", "rules", "interval"} and g["name"] not in names
         names.add(g["name"])
         for r in g["rules"]:
-            assert set(r) <= {"alert", "expr", "for", "labels", "annotations"}, r
+            assert set(r) <= {"alert", "expr", "for", "keep_firing_for", "labels", "annotations"}, r
             assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", r["alert"])
             assert isinstance(r["expr"], str) and r["expr"].count("(") == r["expr"].count(")"), r["alert"]
             assert "for" not in r or re.fullmatch(r"\d+[smhd]", r["for"]), r["alert"]
+            assert "keep_firing_for" not in r or re.fullmatch(r"\d+[smhd]", r["keep_firing_for"]), r["alert"]
             assert r["labels"]["severity"] in ("critical", "warning", "info") and r["annotations"]["summary"]
     alerts = {r["alert"] for g in doc["groups"] for r in g["rules"]}
     for want in ("FleetscopeRunStalled", "FleetscopeRunHung", "FleetscopeRunFailed", "FleetscopeDatabaseDown",
@@ -132,41 +188,15 @@ def test_every_metric_of_the_dashboard_and_the_rules_is_in_a_live_scrape(live_se
     assert {"fleetscope_run_steps", "fleetscope_run_step_seconds", "fleetscope_run_state"} <= run_samples
 
 
-_CACHE = Path.home() / ".cache" / "fleetscope" / "promtool"
-_fetch_error: list[str] = []
-
-
-def _fetch_promtool() -> str | None:
-    """promtool from Debian's ``prometheus`` package, unpacked (``apt-get download`` + ``dpkg-deb -x``,
-    no install, no service started) into ~/.cache/fleetscope/promtool once; None when apt cannot get it."""
-    exe = _CACHE / "usr" / "bin" / "promtool"
-    if exe.is_file():
-        return str(exe)
-    if _fetch_error or not (shutil.which("apt-get") and shutil.which("dpkg-deb")):
-        return None
-    with tempfile.TemporaryDirectory() as d:
-        try:
-            r = subprocess.run(["apt-get", "download", "-q", "prometheus"], cwd=d, capture_output=True, text=True,
-                               timeout=600)
-            debs = list(Path(d).glob("prometheus_*.deb"))
-            if r.returncode != 0 or not debs:
-                _fetch_error.append((r.stderr or r.stdout).strip()[-300:])
-                return None
-            _CACHE.mkdir(parents=True, exist_ok=True)
-            subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(_CACHE)], check=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as e:
-            _fetch_error.append(str(e)[:300])
-            return None
-    return str(exe) if exe.is_file() else None
-
-
 def _promtool() -> str:
-    exe = shutil.which("promtool") or _fetch_promtool()
-    if exe is None:
-        pytest.skip("promtool is not installed and `apt-get download prometheus` could not fetch it "
-                    f"({'; '.join(_fetch_error) or 'no apt-get'}); install Debian's `prometheus` package to run "
-                    "this check — the rules' structure is checked by test_the_rules_are_well_formed")
-    return exe
+    """Debian's promtool, installed with apt-get when missing (prometheus.prom_util.ensure_tools); the
+    test fails with the command to run when it cannot be."""
+    from prometheus.prom_util import ensure_tools
+
+    try:
+        return ensure_tools()["promtool"]
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)
 
 
 def test_the_rules_pass_promtool_check_rules() -> None:

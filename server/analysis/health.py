@@ -6,6 +6,10 @@
   dimension, op and per-group sequence number) and the ranks that never arrived there: silent ranks,
   ranks not blocked in any collective, ranks whose last collective on that dimension has a lower
   sequence number. A node all of whose ranks are silent while others report is ``lost``.
+- :class:`WaveSummary`: the wavefront as :func:`evaluate` needs it — counts, and bounded lists (the first
+  ranks and runs of ranks, nodes, a few stacks) — whatever the world size. :func:`summarize` builds it
+  from loaded positions; ``store.health.wave_summary`` computes the same thing in SQL (the server's
+  path: it never loads every rank's row).
 - :func:`evaluate`: the state machine: ``failed`` (a failure record, or finished as failed) >
   ``finished`` > paused/``running`` > ``hung`` (stalled, and the positions show who waits for whom) >
   ``stalled``; with the finding sentence.
@@ -20,9 +24,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["HealthParams", "Verdict", "Wavefront", "stall_threshold", "wavefront", "evaluate", "rank_ranges",
-           "duration", "root_cause", "HEALTH_STATES", "PositionLike", "FailureLike", "PauseLike", "redone_steps",
-           "goodput_split", "pause_category"]
+__all__ = ["HealthParams", "Verdict", "Wavefront", "WaveSummary", "RankSet", "stall_threshold", "wavefront",
+           "summarize", "evaluate", "rank_ranges", "duration", "root_cause", "open_pause", "HEALTH_STATES",
+           "PositionLike", "FailureLike", "PauseLike", "redone_steps", "goodput_split", "pause_category",
+           "RANGES_SHOWN"]
 
 HEALTH_STATES = ("running", "stalled", "hung", "failed", "finished")
 
@@ -107,21 +112,55 @@ def stall_threshold(p: HealthParams, steps: int, p99_step_s: float | None) -> fl
     return max(p.stall_min_s, p.stall_factor * (p99_step_s or 0.0))
 
 
-def rank_ranges(ranks: Sequence[int], limit: int = 12) -> str:
-    """"1536–1543, 1600" (at most ``limit`` runs of consecutive ranks, then "and n more")."""
+#: runs of consecutive ranks a finding names ("1536–1543, 1600 and 12 more ranges")
+RANGES_SHOWN = 12
+
+
+def _runs(ranks: Sequence[int]) -> list[tuple[int, int]]:
     rs = sorted(set(int(r) for r in ranks))
-    parts: list[str] = []
+    out: list[tuple[int, int]] = []
     i = 0
     while i < len(rs):
         j = i
         while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
             j += 1
-        parts.append(str(rs[i]) if i == j else f"{rs[i]}–{rs[j]}")
+        out.append((rs[i], rs[j]))
         i = j + 1
-    if len(parts) > limit:
-        rest = len(parts) - limit
-        return ", ".join(parts[:limit]) + f" and {rest} more range{'s' if rest > 1 else ''}"
+    return out
+
+
+def _ranges_text(runs: Sequence[tuple[int, int]], total: int, limit: int) -> str:
+    parts = [str(a) if a == b else f"{a}–{b}" for a, b in runs[:limit]]
+    if total > limit:
+        rest = total - limit
+        return ", ".join(parts) + f" and {rest} more range{'s' if rest > 1 else ''}"
     return ", ".join(parts)
+
+
+def rank_ranges(ranks: Sequence[int], limit: int = RANGES_SHOWN) -> str:
+    """"1536–1543, 1600" (at most ``limit`` runs of consecutive ranks, then "and n more")."""
+    runs = _runs(ranks)
+    return _ranges_text(runs, len(runs), limit)
+
+
+@dataclass
+class RankSet:
+    """A set of ranks of any size, bounded: how many, the first ``listed`` (ascending), the first runs of
+    consecutive ranks and how many runs there are — enough to name them as :func:`rank_ranges` does."""
+
+    count: int = 0
+    listed: list[int] = field(default_factory=list)
+    runs: list[tuple[int, int]] = field(default_factory=list)
+    run_count: int = 0
+
+    @classmethod
+    def of(cls, ranks: Sequence[int], max_listed: int, max_runs: int = RANGES_SHOWN) -> RankSet:
+        rs = sorted(set(int(r) for r in ranks))
+        runs = _runs(rs)
+        return cls(len(rs), rs[:max_listed], runs[:max_runs], len(runs))
+
+    def text(self, limit: int = RANGES_SHOWN) -> str:
+        return _ranges_text(self.runs, self.run_count, limit)
 
 
 def duration(s: float) -> str:
@@ -200,6 +239,49 @@ def wavefront(positions: Sequence[PositionLike], world_size: int, nodes: Mapping
     return out
 
 
+@dataclass
+class WaveSummary:
+    """The wavefront of a run as :func:`evaluate` uses it, bounded whatever the world size: counts, the
+    first ranks (``RankSet``), the first nodes (sorted by code point), the stacks of the first missing
+    ranks and the first missing rank's own position. Built by :func:`summarize` from loaded positions, or
+    in SQL by ``store.health.wave_summary``; both give the same summary for the same positions."""
+
+    positions: int = 0  # position rows the run has (any rank)
+    live: int = 0  # ranks in [0, world) whose position is at most ``silence_s`` old
+    silent: int = 0  # ranks in [0, world) without one (0 when the run has no position at all)
+    step: int | None = None  # the step most live ranks are in
+    waiting: dict[str, Any] | None = None  # {"op", "dim", "group", "seq", "ranks"}
+    missing: RankSet = field(default_factory=RankSet)
+    missing_nodes: list[str] = field(default_factory=list)
+    missing_node_count: int = 0
+    lost_nodes: list[str] = field(default_factory=list)
+    lost_node_count: int = 0
+    lost: RankSet = field(default_factory=RankSet)  # every rank of the lost nodes
+    stacks: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # of the first missing ranks
+    first: PositionLike | None = None  # the first missing rank's position (None: it never reported)
+
+
+def summarize(positions: Sequence[PositionLike], world_size: int, nodes: Mapping[int, str], silence_s: float, *,
+              max_listed: int = 1024, max_stacks: int = 16) -> WaveSummary:
+    """:class:`WaveSummary` from loaded positions (:func:`wavefront`, then bounded)."""
+    wf = wavefront(positions, world_size, nodes, silence_s)
+    by_rank = {p.rank: p for p in positions}
+    live = sum(1 for r, p in by_rank.items() if 0 <= r < world_size and p.age_s <= silence_s)
+    out = WaveSummary(positions=len(positions), live=live, silent=len(wf.silent), step=wf.step, waiting=wf.waiting)
+    out.missing = RankSet.of(wf.missing, max_listed)
+    miss_nodes = sorted({nodes[r] for r in wf.missing if r in nodes})
+    out.missing_nodes, out.missing_node_count = miss_nodes[:max_listed], len(miss_nodes)
+    out.lost_nodes, out.lost_node_count = wf.lost_nodes[:max_listed], len(wf.lost_nodes)
+    lost = set(wf.lost_nodes)
+    out.lost = RankSet.of([r for r, n in nodes.items() if n in lost], max_listed)
+    for r in wf.missing[:max_stacks]:
+        p = by_rank.get(r)
+        if p is not None and p.stack:
+            out.stacks[r] = p.stack
+    out.first = by_rank.get(wf.missing[0]) if wf.missing else None
+    return out
+
+
 def root_cause(failures: Sequence[FailureLike]) -> FailureLike | None:
     """The first real failure by time (a clean exit, code 0 without exception or signal, is none)."""
     real = [f for f in failures if not (f.exit_code == 0 and not f.exception and not f.signal)]
@@ -241,6 +323,7 @@ class Verdict:
     missing_ranks: list[int] = field(default_factory=list)
     missing_count: int = 0
     missing_nodes: list[str] = field(default_factory=list)
+    missing_nodes_count: int = 0  # all of them (``missing_nodes`` lists the first ``max_listed``)
     collective: dict[str, Any] | None = None
     stacks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     stuck: dict[str, Any] | None = None  # the first missing rank's own position
@@ -251,7 +334,8 @@ class Verdict:
 
     def detail(self) -> dict[str, Any]:
         return {"waiting": self.waiting, "missing_ranks": self.missing_ranks, "missing_count": self.missing_count,
-                "missing_nodes": self.missing_nodes, "collective": self.collective, "stacks": self.stacks,
+                "missing_nodes": self.missing_nodes, "missing_nodes_count": self.missing_nodes_count,
+                "collective": self.collective, "stacks": self.stacks,
                 "stuck": self.stuck, "pause": self.pause, "threshold_s": self.threshold_s, "kind": self.kind,
                 "step": self.step}
 
@@ -274,8 +358,13 @@ def open_pause(pauses: Sequence[PauseLike], now: float, p: HealthParams) -> dict
 def evaluate(*, name: str, status: str, world_size: int, steps: int, current_step: int | None, now: float,
              progress_at: float, p99_step_s: float | None, failures: Sequence[FailureLike], n_failed_ranks: int,
              finished_at: float | None, pauses: Sequence[PauseLike], positions: Sequence[PositionLike] | None,
-             nodes: Mapping[int, str], params: HealthParams, last_pause_end: float | None = None) -> Verdict:
-    """The run's state now (see the module doc). ``positions`` None: not loaded (the run is not stalled).
+             nodes: Mapping[int, str], params: HealthParams, last_pause_end: float | None = None,
+             wave: WaveSummary | None = None, pause: dict[str, Any] | None = None) -> Verdict:
+    """The run's state now (see the module doc). The wavefront comes from ``wave`` (computed in SQL), else
+    from ``positions`` (loaded; None and no ``wave``: not analysed — the run is not stalled, or its analysis
+    did not fit its budget). ``nodes``: {rank: node} of the failed ranks at least (the failure finding
+    names the root cause's node), of every rank when the wavefront comes from ``positions``.
+    ``pause``: the open declared pause found by the store (else found in ``pauses``).
     ``last_pause_end``: when the latest declared pause ended — the clock of the stall restarts there (the
     first step after a long checkpoint is not late)."""
     first = root_cause(failures)
@@ -289,7 +378,8 @@ def evaluate(*, name: str, status: str, world_size: int, steps: int, current_ste
     if status in ("finished", "aborted"):
         return Verdict("finished", since=finished_at)
     threshold = stall_threshold(params, steps, p99_step_s)
-    pause = open_pause(pauses, now, params)
+    if pause is None:
+        pause = open_pause(pauses, now, params)
     if pause is not None:
         return Verdict("running", since=pause["since"], pause=pause, threshold_s=threshold,
                        finding=f"run {name} is paused for {pause['reason']} since {duration(now - pause['since'])}")
@@ -300,39 +390,40 @@ def evaluate(*, name: str, status: str, world_size: int, steps: int, current_ste
         return Verdict("running", threshold_s=threshold)
     at_step = (current_step + 1) if current_step is not None else 0
     v = Verdict("stalled", since=progress_at, kind="hang", threshold_s=threshold, step=at_step)
-    wf = wavefront(positions or [], world_size, nodes, params.silence_s)
+    wf = wave if wave is not None else summarize(positions or [], world_size, nodes, params.silence_s,
+                                                 max_listed=params.max_listed, max_stacks=params.max_stacks)
     if wf.step is not None:
         v.step = at_step = wf.step
     waited = f"no step finished for {duration(age)} (threshold {duration(threshold)})"
-    if wf.lost_nodes and len(wf.silent) < world_size:
+    if wf.lost_node_count and wf.silent < world_size:
         v.state, v.kind = "hung", "node_lost"
-        lost_ranks = sorted(r for r, n in nodes.items() if n in set(wf.lost_nodes))
         v.missing_nodes = wf.lost_nodes[:params.max_listed]
-        v.missing_ranks = lost_ranks[:params.max_listed]
-        v.missing_count = len(lost_ranks)
-        others = world_size - len(wf.silent)
-        nn = ", ".join(wf.lost_nodes[:8]) + (f" and {len(wf.lost_nodes) - 8} more" if len(wf.lost_nodes) > 8 else "")
-        v.finding = (f"run {name} stalled at step {at_step}: node{'s' if len(wf.lost_nodes) > 1 else ''} {nn} lost — "
-                     f"all {len(lost_ranks):,} of its ranks ({rank_ranges(lost_ranks)}) went silent while "
+        v.missing_nodes_count = wf.lost_node_count
+        v.missing_ranks = wf.lost.listed[:params.max_listed]
+        v.missing_count = wf.lost.count
+        others = world_size - wf.silent
+        n_lost = wf.lost_node_count
+        nn = ", ".join(wf.lost_nodes[:8]) + (f" and {n_lost - 8} more" if n_lost > 8 else "")
+        v.finding = (f"run {name} stalled at step {at_step}: node{'s' if n_lost > 1 else ''} {nn} lost — "
+                     f"all {wf.lost.count:,} of its ranks ({wf.lost.text()}) went silent while "
                      f"{others:,} others report; {waited}")
         if wf.waiting:
             v.waiting = wf.waiting
             v.collective = {k: wf.waiting[k] for k in ("op", "dim", "seq")}
         return v
-    if wf.waiting and wf.missing and len(wf.missing) < world_size:
+    n_miss = wf.missing.count
+    if wf.waiting and n_miss and n_miss < world_size:
         v.state = "hung"
         v.waiting = wf.waiting
         v.collective = {k: wf.waiting[k] for k in ("op", "dim", "seq")}
-        v.missing_ranks = wf.missing[:params.max_listed]
-        v.missing_count = len(wf.missing)
-        miss_nodes = sorted({nodes[r] for r in wf.missing if r in nodes})
+        v.missing_ranks = wf.missing.listed[:params.max_listed]
+        v.missing_count = n_miss
+        miss_nodes = wf.missing_nodes
         v.missing_nodes = miss_nodes[:params.max_listed]
-        by_rank = {p.rank: p for p in positions or []}
-        for r in wf.missing[:params.max_stacks]:
-            p = by_rank.get(r)
-            if p is not None and p.stack:
-                v.stacks[str(r)] = p.stack
-        p0 = by_rank.get(wf.missing[0])
+        v.missing_nodes_count = wf.missing_node_count
+        for r, stack in list(wf.stacks.items())[:params.max_stacks]:
+            v.stacks[str(r)] = stack
+        p0 = wf.first
         stuck_where = None
         stuck_for = age
         if p0 is not None:
@@ -346,11 +437,11 @@ def evaluate(*, name: str, status: str, world_size: int, steps: int, current_ste
         on = f" on dim {w['dim']}" if w.get("dim") else (f" of group {w['group']}" if w.get("group") else "")
         seq = f" #{w['seq']}" if w.get("seq") is not None else ""
         nodes_txt = ""
-        if miss_nodes:
-            nodes_txt = f" (node{'s' if len(miss_nodes) > 1 else ''} {', '.join(miss_nodes[:8])}" + (
-                f" and {len(miss_nodes) - 8} more" if len(miss_nodes) > 8 else "") + ")"
-        n_miss = len(wf.missing)
-        who = f"rank{'s' if n_miss > 1 else ''} {rank_ranges(wf.missing)}{nodes_txt} never arrived"
+        n_nodes = wf.missing_node_count
+        if n_nodes:
+            nodes_txt = f" (node{'s' if n_nodes > 1 else ''} {', '.join(miss_nodes[:8])}" + (
+                f" and {n_nodes - 8} more" if n_nodes > 8 else "") + ")"
+        who = f"rank{'s' if n_miss > 1 else ''} {wf.missing.text()}{nodes_txt} never arrived"
         if p0 is None or p0.age_s > params.silence_s:
             how = f" — silent for {duration(stuck_for)}"
         elif stuck_where:
@@ -362,7 +453,7 @@ def evaluate(*, name: str, status: str, world_size: int, steps: int, current_ste
         v.finding = (f"run {name} hung at step {at_step}: {w['ranks']:,} of {world_size:,} ranks wait in "
                      f"{w['op']}{seq}{on}; {who}{how}")
         return v
-    if positions and len(wf.silent) >= world_size:
+    if wf.positions and wf.silent >= world_size:
         v.finding = f"run {name} stalled at step {at_step}: every rank went silent; {waited}"
     else:
         v.finding = f"run {name} stalled at step {at_step}: {waited}"

@@ -1,5 +1,10 @@
 """Run health for the API and the pages: ``GET /runs/{id}/health`` (state, finding, wavefront, failures,
-attempts, the open pause) and the summary's ``goodput`` (per run and per job)."""
+attempts, the open pause) and the summary's ``goodput`` (per run and per job).
+
+Both are bounded whatever the world size: the wavefront is computed in SQL (``store.health.wave_summary``:
+counts, the first ``MAX_HEALTH_RANKS_LISTED`` ranks and nodes with their totals, the stacks of the first
+``MAX_HEALTH_STACKS`` missing ranks), and goodput needs no wavefront at all (stalled or hung: the same
+lost time), so it never computes one."""
 
 from __future__ import annotations
 
@@ -10,14 +15,15 @@ import numpy as np
 from sqlalchemy import Engine
 
 from ..analysis.goodput import CHECKPOINT_KINDS, EVAL_KINDS
-from ..analysis.health import HealthParams, goodput_split, pause_category
-from ..health_pass import assess
-from ..limits import MAX_HEALTH_RANKS_LISTED
+from ..analysis.health import HealthParams, goodput_split, pause_category, rank_ranges
+from ..health_pass import assess, params_from
+from ..limits import MAX_HEALTH_RANKS_LISTED, MAX_HEALTH_STACKS
 from ..store import events as event_store
 from ..store import health as store
 from ..store import steps as step_store
 
-__all__ = ["run_health", "run_goodput", "job_attempts", "fleet_health", "fleet_goodput"]
+# ``params_from`` and ``rank_ranges`` are passed on for the pages, which read only through this façade
+__all__ = ["run_health", "run_goodput", "job_attempts", "fleet_health", "fleet_goodput", "params_from", "rank_ranges"]
 
 
 def _iso(t: float | None) -> str | None:
@@ -65,6 +71,7 @@ def run_health(engine: Engine, run_id: int, params: HealthParams) -> dict[str, A
         "missing_ranks": v.missing_ranks,
         "missing_count": v.missing_count,
         "missing_nodes": v.missing_nodes,
+        "missing_nodes_count": v.missing_nodes_count,
         "collective": v.collective,
         "stacks": v.stacks,
         "stuck": v.stuck,
@@ -75,7 +82,7 @@ def run_health(engine: Engine, run_id: int, params: HealthParams) -> dict[str, A
         "pause": v.pause,
         "threshold_s": v.threshold_s,
         "hang_s": a.hang_s,
-        "limits": {"ranks_listed": MAX_HEALTH_RANKS_LISTED},
+        "limits": {"ranks_listed": MAX_HEALTH_RANKS_LISTED, "stacks": MAX_HEALTH_STACKS},
     }
 
 
@@ -84,7 +91,7 @@ def _run_goodput(engine: Engine, run_id: int, params: HealthParams, prev_last_st
     if not rps:
         return None
     rp = rps[0]
-    a = assess(engine, rp, params, full=True)
+    a = assess(engine, rp, params, full=True, wavefront=False)  # stalled or hung: the same lost time
     frame = step_store.load_steps(engine, run_id, ("step", "ts", "step_s", "data_s"))
     start = rp.started_at
     if len(frame):

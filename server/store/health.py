@@ -9,26 +9,33 @@ Write side at ingest (:func:`land`, called by ``events.land_events`` under the r
 - ``pause`` events: applied to ``run_pauses`` (the open pause per rank and reason, seconds of ended
   ones; at most MAX_PAUSE_REASONS_PER_RUN reasons per run) and passed on to ``run_events`` as before.
 
-Reads for the health pass and ``/health`` are bounded: positions by the world size, failures by the cap
-and a LIMIT, pauses by reasons × ranks.
+Reads for the health pass and ``/health`` are bounded: failures by the cap and a LIMIT; positions are
+never loaded whole: :func:`wave_summary` computes a run's wavefront in SQL (counts per step, per
+collective and sequence number, per liveness; the ranks that never arrived, silent ranks, lost nodes)
+and returns counts plus bounded lists (the first ranks and runs of ranks, nodes, a few stacks), under a
+time budget (``SET LOCAL statement_timeout``) when the caller gives one; :func:`open_pause` finds the open
+declared pause in SQL too, however many ranks declared one.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import DBAPIError
 
+from ..analysis.health import RANGES_SHOWN, RankSet, WaveSummary
 from ..limits import MAX_FAILURES_PER_RUN, MAX_PAUSE_REASONS_PER_RUN
 
 __all__ = ["land", "Position", "Failure", "Pause", "RunProgress", "positions", "failures", "failure_count",
-           "pauses", "pause_totals", "last_pause_end", "progress", "save_health", "load_health", "set_status", "attempts", "health_rows",
-           "step_p99", "steps_at_or_below",
-           "node_map", "HEALTH_KINDS", "fleet_goodput_rows"]
+           "pauses", "pause_totals", "last_pause_end", "open_pause", "progress", "save_health", "load_health",
+           "set_status", "attempts", "health_rows", "step_p99", "steps_at_or_below", "wave_summary", "OverBudget",
+           "is_over_budget", "node_map", "HEALTH_KINDS", "fleet_goodput_rows"]
 
 HEALTH_KINDS = ("position", "failure", "pause")
 
@@ -252,15 +259,186 @@ def _frames(v: Any) -> list[dict[str, Any]] | None:
     return [f for f in v if isinstance(f, dict)][:16] if isinstance(v, list) else None
 
 
-def positions(engine: Engine, run_id: int, limit: int = 262_144) -> list[Position]:
-    """The latest position of every rank that reported one (bounded by the world size)."""
+def positions(engine: Engine, run_id: int, limit: int = 1024) -> list[Position]:
+    """The latest positions of the first ``limit`` ranks that reported one, loaded whole (tests and small
+    tools; the server computes the wavefront in SQL: :func:`wave_summary`)."""
     with engine.connect() as c:
         rows = c.execute(
-            text("SELECT rank, ts, step, state, phase, open_s, coll_op, coll_dim, coll_group, coll_seq, coll_bytes, "
-                 "coll_since_s, coll_done, stack, source, extract(epoch FROM now() - received_at) "
-                 "FROM run_positions WHERE run_id = :r ORDER BY rank LIMIT :n"), {"r": run_id, "n": limit}).fetchall()
-    return [Position(int(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12],
-                     _frames(r[13]), r[14], float(r[15])) for r in rows]
+            text(f"SELECT {_POSITION_COLS} FROM run_positions WHERE run_id = :r ORDER BY rank LIMIT :n"),
+            {"r": run_id, "n": limit}).fetchall()
+    return [_position(r) for r in rows]
+
+
+class OverBudget(Exception):
+    """A health read did not fit its time budget (Postgres cancelled it, or nothing was left of it)."""
+
+
+def is_over_budget(e: BaseException) -> bool:
+    """Whether ``e`` is a statement cancelled by its budget (``statement_timeout``, or a cancel request)."""
+    import psycopg
+
+    return isinstance(e, OverBudget) or (isinstance(e, DBAPIError)
+                                         and isinstance(getattr(e, "orig", None), psycopg.errors.QueryCanceled))
+
+
+def _budget(c: Connection, deadline: float | None) -> None:
+    """``SET LOCAL statement_timeout`` to what is left of the budget (inside the caller's transaction)."""
+    if deadline is None:
+        return
+    ms = int((deadline - time.monotonic()) * 1000)
+    if ms < 1:
+        raise OverBudget("the budget is spent")
+    c.exec_driver_sql(f"SET LOCAL statement_timeout = {ms}")
+
+
+# the wavefront in SQL (analysis.health.wavefront is the reference: same ranks, same ties). A rank is live
+# when its position is at most :silence seconds old; a collective is named by its dimension, else (no
+# dimension, or '') by its process group; ties of the most common step / collective go to the one whose
+# first rank is lowest (Counter.most_common over positions in rank order)
+_LIVE = "received_at >= now() - make_interval(secs => CAST(:silence AS float8))"
+_WDIM = "(CASE WHEN coll_dim <> '' THEN coll_dim END)"
+_WGRP = "(CASE WHEN coll_dim IS NULL OR coll_dim = '' THEN coll_group END)"
+_BLOCKED = "(coll_op IS NOT NULL AND coll_done IS FALSE)"
+
+_WAVE_COUNTS = (
+    f"WITH g AS (SELECT {_LIVE} AS live, step, {_WDIM} AS wdim, {_WGRP} AS wgrp, coll_op, coll_seq, "
+    f"{_BLOCKED} AS blocked, count(*) AS n, min(rank) AS r0 FROM run_positions "
+    "WHERE run_id = :r AND rank >= 0 AND rank < :w GROUP BY 1, 2, 3, 4, 5, 6, 7) "
+    "SELECT (SELECT count(*) FROM run_positions WHERE run_id = :r), (SELECT coalesce(sum(n), 0) FROM g), "
+    "(SELECT coalesce(sum(n), 0) FROM g WHERE live), "
+    "(SELECT step FROM g WHERE live AND step IS NOT NULL GROUP BY step ORDER BY sum(n) DESC, min(r0) LIMIT 1), "
+    "w.wdim, w.wgrp, w.coll_op, w.coll_seq, w.n FROM (SELECT 1) AS one LEFT JOIN LATERAL ("
+    "SELECT wdim, wgrp, coll_op, coll_seq, sum(n) AS n FROM g WHERE live AND blocked "
+    "GROUP BY 1, 2, 3, 4 ORDER BY sum(n) DESC, min(r0) LIMIT 1) AS w ON true"
+)
+
+
+def _rank_set_sql(cte: str) -> str:
+    """Columns of a RankSet of the ranks in CTE ``cte`` (count, first :n, runs of consecutive ranks)."""
+    isl = (f"(SELECT min(rank) AS a, max(rank) AS b FROM (SELECT rank, rank - row_number() OVER (ORDER BY rank) AS k "
+           f"FROM {cte}) AS x GROUP BY k)")
+    return (f"(SELECT count(*) FROM {cte}), "
+            f"(SELECT array_agg(rank ORDER BY rank) FROM (SELECT rank FROM {cte} ORDER BY rank LIMIT :n) AS x), "
+            f"(SELECT count(*) FROM {isl} AS i), "
+            f"(SELECT array_agg(ARRAY[a, b] ORDER BY a) FROM (SELECT a, b FROM {isl} AS i ORDER BY a LIMIT :nr) AS x)")
+
+
+def _nodes_sql(cte: str) -> str:
+    """Columns: how many nodes in CTE ``cte`` (column ``node``), the first :n by code point."""
+    return (f"(SELECT count(*) FROM {cte}), (SELECT array_agg(node ORDER BY node COLLATE \"C\") FROM "
+            f"(SELECT node FROM {cte} ORDER BY node COLLATE \"C\" LIMIT :n) AS x)")
+
+
+def _missing_sql(waiting: bool, complete: bool) -> str:
+    """The ranks that never arrived: silent (no live position, or none at all), and with a collective
+    waited in, the live ones not blocked in any collective unless already past it on its dimension, and
+    those blocked in an earlier one of its dimension; with their nodes."""
+    cond = f"NOT ({_LIVE})"
+    if waiting:
+        same = f"({_WDIM} IS NOT DISTINCT FROM CAST(:wdim AS text) AND {_WGRP} IS NOT DISTINCT FROM CAST(:wgrp AS text))"
+        cond += (f" OR ({_BLOCKED} AND coll_seq < CAST(:wseq AS bigint) AND {same})"
+                 f" OR (NOT {_BLOCKED} AND NOT coalesce(coll_op IS NOT NULL AND coll_seq >= CAST(:wseq AS bigint) "
+                 f"AND {same}, false))")
+    m = f"SELECT rank FROM run_positions WHERE run_id = :r AND rank >= 0 AND rank < :w AND ({cond})"
+    if not complete:  # ranks in [0, world) without any position are silent too
+        m += (" UNION ALL SELECT g FROM generate_series(0, :w - 1) AS g WHERE NOT EXISTS "
+              "(SELECT 1 FROM run_positions q WHERE q.run_id = :r AND q.rank = g)")
+    return (f"WITH m AS MATERIALIZED ({m}), "
+            "mn AS (SELECT DISTINCT coalesce(node, host) AS node FROM ranks WHERE run_id = :r "
+            "AND rank = ANY(ARRAY(SELECT rank FROM m)) AND coalesce(node, host) IS NOT NULL) "
+            f"SELECT {_rank_set_sql('m')}, {_nodes_sql('mn')}")
+
+
+# nodes all of whose ranks (in [0, world)) are silent; and every rank of those nodes
+_LOST = (
+    "WITH lost AS MATERIALIZED (SELECT coalesce(k.node, k.host) AS node FROM ranks k LEFT JOIN run_positions p "
+    "ON p.run_id = k.run_id AND p.rank = k.rank WHERE k.run_id = :r AND k.rank >= 0 AND k.rank < :w "
+    f"AND coalesce(k.node, k.host) IS NOT NULL GROUP BY 1 HAVING NOT bool_or(coalesce(p.{_LIVE}, false))), "
+    "lr AS MATERIALIZED (SELECT rank FROM ranks WHERE run_id = :r AND coalesce(node, host) IN (SELECT node FROM lost)) "
+    f"SELECT {_nodes_sql('lost')}, {_rank_set_sql('lr')}"
+)
+
+_POSITION_COLS = ("rank, ts, step, state, phase, open_s, coll_op, coll_dim, coll_group, coll_seq, coll_bytes, "
+                  "coll_since_s, coll_done, stack, source, extract(epoch FROM now() - received_at)")
+
+
+def _position(r: Any) -> Position:
+    return Position(int(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12],
+                    _frames(r[13]), r[14], float(r[15]))
+
+
+def _rank_set(count: Any, listed: Any, run_count: Any, runs: Any, max_listed: int) -> RankSet:
+    return RankSet(int(count or 0), [int(x) for x in listed or []][:max_listed],
+                   [(int(a), int(b)) for a, b in runs or []], int(run_count or 0))
+
+
+def wave_summary(engine: Engine, run_id: int, world_size: int, silence_s: float, *, max_listed: int = 1024,
+                 max_stacks: int = 16, budget_s: float | None = None) -> WaveSummary:
+    """The run's wavefront (``analysis.health.WaveSummary``) computed in SQL over ``run_positions`` and
+    ``ranks``: a few aggregate statements in one repeatable-read transaction, each returning counts and
+    bounded lists — never every rank's row. ``budget_s``: the whole read is cancelled by Postgres past it
+    (``SET LOCAL statement_timeout`` to what is left before each statement) and :class:`OverBudget` or a
+    cancelled-statement error (:func:`is_over_budget`) is raised."""
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    w = int(world_size)
+    listed = max(int(max_listed), int(max_stacks), 1)  # the stacks are those of the first missing ranks
+    base = {"r": run_id, "w": w, "silence": float(silence_s), "n": listed, "nr": RANGES_SHOWN}
+    out = WaveSummary()
+    with engine.connect().execution_options(isolation_level="REPEATABLE READ") as c, c.begin():
+        _budget(c, deadline)
+        row = c.execute(text(_WAVE_COUNTS), base).one()
+        out.positions, in_range, out.live = int(row[0]), int(row[1]), int(row[2])
+        if out.positions == 0:
+            return out
+        out.silent = w - out.live
+        out.step = None if row[3] is None else int(row[3])
+        if row[6] is not None:
+            out.waiting = {"op": row[6], "dim": row[4], "group": row[5], "seq": None if row[7] is None else int(row[7]),
+                           "ranks": int(row[8])}
+        if out.live == 0:
+            return out
+        if out.silent:
+            _budget(c, deadline)
+            lost = c.execute(text(_LOST), base).one()
+            out.lost_node_count, out.lost_nodes = int(lost[0] or 0), list(lost[1] or [])[:max_listed]
+            out.lost = _rank_set(lost[2], lost[3], lost[4], lost[5], max_listed)
+        if out.waiting is None and not out.silent:
+            return out  # nothing is missing
+        _budget(c, deadline)
+        wt = out.waiting or {}
+        miss = c.execute(text(_missing_sql(out.waiting is not None, complete=in_range == w)),
+                         {**base, "wdim": wt.get("dim"), "wgrp": wt.get("group"), "wseq": wt.get("seq")}).one()
+        out.missing = _rank_set(miss[0], miss[1], miss[2], miss[3], max_listed)
+        out.missing_node_count, out.missing_nodes = int(miss[4] or 0), list(miss[5] or [])[:max_listed]
+        first = [int(x) for x in miss[1] or []][:max(int(max_stacks), 1)]
+        if first:
+            _budget(c, deadline)
+            rows = c.execute(text(f"SELECT {_POSITION_COLS} FROM run_positions WHERE run_id = :r AND rank = ANY(:ks) "
+                                  "ORDER BY rank"), {"r": run_id, "ks": first}).fetchall()
+            by_rank = {int(r[0]): _position(r) for r in rows}
+            out.first = by_rank.get(first[0])
+            for k in first[:max_stacks]:
+                stack = by_rank[k].stack if k in by_rank else None
+                if stack:
+                    out.stacks[k] = stack
+    return out
+
+
+def open_pause(engine: Engine, run_id: int, now: float, pause_max_s: float) -> dict[str, Any] | None:
+    """The declared pause holding the run now (``analysis.health.open_pause`` in SQL, over every rank's
+    pauses): the latest begun among the open ones within their bound (max(2 × expected, ``pause_max_s``)),
+    with how many ranks have one of its reason open; None without one."""
+    with engine.connect() as c:
+        row = c.execute(text(
+            "SELECT b.reason, b.open_since, b.expected_s, (SELECT count(*) FROM run_pauses q WHERE q.run_id = :r "
+            "AND q.open_since IS NOT NULL AND q.reason = b.reason) FROM run_pauses b WHERE b.run_id = :r "
+            "AND b.open_since IS NOT NULL AND CAST(:now AS float8) - b.open_since <= "
+            "greatest(2 * coalesce(b.expected_s, 0), CAST(:pmax AS float8)) "
+            "ORDER BY b.open_since DESC, b.rank, b.reason LIMIT 1"),
+            {"r": run_id, "now": float(now), "pmax": float(pause_max_s)}).fetchone()
+    if row is None:
+        return None
+    return {"reason": row[0], "since": row[1], "expected_s": row[2], "ranks": int(row[3])}
 
 
 def failures(engine: Engine, run_id: int, limit: int = 64) -> list[Failure]:
@@ -311,10 +489,12 @@ def pause_totals(engine: Engine, run_ids: Sequence[int]) -> dict[int, dict[str, 
     return out
 
 
-def node_map(engine: Engine, run_id: int) -> dict[int, str]:
-    """{rank: node (else host)} of the ranks that reported one."""
+def node_map(engine: Engine, run_id: int, ranks: Sequence[int] | None = None) -> dict[int, str]:
+    """{rank: node (else host)} of the ranks that reported one (of ``ranks`` only, when given)."""
+    only = " AND rank = ANY(:ks)" if ranks is not None else ""
     with engine.connect() as c:
-        rows = c.execute(text("SELECT rank, coalesce(node, host) FROM ranks WHERE run_id = :r"), {"r": run_id}).fetchall()
+        rows = c.execute(text("SELECT rank, coalesce(node, host) FROM ranks WHERE run_id = :r" + only),
+                         {"r": run_id, "ks": [int(k) for k in ranks or []]}).fetchall()
     return {int(r): str(n) for r, n in rows if n is not None}
 
 

@@ -103,3 +103,37 @@ def _status(state: str, current: str) -> str:
 
 def alerts(srv: Any, **params: Any) -> list[dict[str, Any]]:
     return httpx.get(f"{srv.url}/api/v1/alerts", params=params, timeout=30).json()["alerts"]
+
+
+#: one position per rank, inserted in SQL (generate_series): every rank blocked in all_reduce #12 on dim dp
+#: with a 2-frame stack, except the ranks ≡ :off (mod :every), stuck in their data loader after #11
+BULK_POSITIONS = """
+INSERT INTO run_positions (run_id, rank, seq, ts, step, state, phase, open_s, coll_op, coll_dim, coll_group, coll_seq,
+                           coll_bytes, coll_since_s, coll_done, stack, source, received_at)
+SELECT :r, g, 100, extract(epoch FROM now()), 5, 'in_step', CASE WHEN g % :every = :off THEN 'data' ELSE 'backward' END,
+       30.0, 'all_reduce', 'dp', '0', CASE WHEN g % :every = :off THEN 11 ELSE 12 END, 1048576, 29.0,
+       g % :every = :off,
+       CASE WHEN g % :every = :off
+            THEN '[{"file": "/ws/train.py", "line": 90, "func": "main"},
+                   {"file": "/ws/data/loader.py", "line": 211, "func": "__next__"}]'::jsonb
+            ELSE '[{"file": "/ws/train.py", "line": 88, "func": "main"},
+                   {"file": "/torch/distributed/c10d.py", "line": 2501, "func": "all_reduce"}]'::jsonb END,
+       'agent', now()
+FROM generate_series(0, :w - 1) AS g
+"""
+
+#: the ranks of a run, :per to a node named n000000, n000001 …
+BULK_RANKS = """
+INSERT INTO ranks (run_id, rank, host, node, local_rank)
+SELECT :r, g, 'n' || lpad((g / :per)::text, 6, '0'), 'n' || lpad((g / :per)::text, 6, '0'), g % :per
+FROM generate_series(0, :w - 1) AS g
+"""
+
+
+def bulk_run(engine: Any, run_id: int, world: int, *, every: int = 128, off: int = 77, per_node: int = 8) -> None:
+    """Every rank of ``run_id`` (its ``ranks`` rows and one position each) in two statements."""
+    from sqlalchemy import text
+
+    with engine.begin() as c:
+        c.execute(text(BULK_RANKS), {"r": run_id, "w": world, "per": per_node})
+        c.execute(text(BULK_POSITIONS), {"r": run_id, "w": world, "every": every, "off": off})

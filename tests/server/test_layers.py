@@ -146,3 +146,35 @@ def test_every_sql_statement_is_in_the_store() -> None:
 def test_the_sql_check_sees_sql() -> None:
     assert len(sql_sites(SERVER / "store" / "runs.py")) > 10
     assert sql_sites(SERVER / "reports" / "runs.py") == []
+
+
+def _imports_of(path: Path) -> set[str]:
+    """Every module a file imports (top level or inside functions), absolute, from its own package."""
+    pkg = {"dashboard": "fleetscope.dashboard", "fleetscope": "fleetscope"}[path.relative_to(ROOT).parts[0]]
+    rel = path.relative_to(ROOT).with_suffix("").parts[1:]
+    mod = ".".join([pkg, *[p for p in rel if p != "__init__"]])
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            src = _resolve(mod, path, node)
+            out |= {f"{src}.{a.name}" for a in node.names} | {src}
+    return out
+
+
+def test_the_dashboard_reads_only_through_the_facade() -> None:
+    """Team scoping and read budgets live in the read façade (server/reports): a page that reached the
+    store or the analysis directly could bypass them."""
+    offenders = {}
+    for path in (ROOT / "dashboard").rglob("*.py"):
+        bad = sorted(m for m in _imports_of(path) if m.startswith("fleetscope.server")
+                     and not m.startswith("fleetscope.server.reports") and m != "fleetscope.server")
+        if bad:
+            offenders[str(path.relative_to(ROOT))] = bad
+    assert offenders == {}
+
+
+def test_the_cli_runs_no_sql() -> None:
+    offenders = {str(p.relative_to(ROOT)): sql_sites(p) for p in (ROOT / "fleetscope").glob("*.py") if sql_sites(p)}
+    assert offenders == {}

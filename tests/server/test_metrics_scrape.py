@@ -1,7 +1,8 @@
 """/metrics parsed as Prometheus parses it (prometheus_client.parser): build info, the process
 collectors, a zero for every run status, cluster-wide figures under their own names, rejections in
 batches and records by distinct reason, bounded per-run gauges (labels run and family, never a rank),
-and a scrape during a database outage that still answers with every per-instance family."""
+the state and alert gauges of ended runs while one of their alerts fires (a failed run pages), and a
+scrape during a database outage that still answers with every per-instance family."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from conftest import start_server
 from dash_util import add_alert
 from fleetscope.server.db import EmbeddedPostgres
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import text
 
 from fleetscope.synthetic import RunSpec, collective_rows, rank_step_rows
 
@@ -129,6 +131,60 @@ def test_per_run_gauges_are_capped_most_recently_active_first(db_url: str) -> No
         runs = sorted(lv["run"] for lv, _ in samples(fams, "fleetscope_run_steps"))
         assert runs == ["cap-2", "cap-3"], runs
         assert value(fams, "fleetscope_cluster_runs", status="running") == 4.0
+    finally:
+        srv.stop()
+
+
+def test_ended_runs_keep_state_and_alert_gauges_while_an_alert_fires_bounded_paging_first(db_url: str) -> None:
+    """A failed run is not live, but while its failure alert fires the rules must see it: its state and
+    alert gauges stay (no step figures, no stall gauge), for at most --metrics-max-runs ended runs —
+    those with a hang / node-lost / failure alert first — and go when the alert stops firing."""
+    srv = start_server(db_url, metrics_max_runs=2)
+    eng = srv.state.engine
+    try:
+        from fleetscope.server.auth import create_token
+
+        other = create_token(eng, "other-owner", scope="admin")
+        ids = {}
+        for name in ("quiet", "failed-old", "failed-new", "strag", "live", "again-0", "again"):
+            spec = RunSpec(name=name if not name.startswith("again") else "again", family="f", world_size=1, steps=2)
+            if name == "again-0":  # the same name and family, another owner's run
+                with srv.client(other) as c:
+                    ids[name] = rid = int(c.register_run(spec.run_info()))
+                    for _, rows in rank_step_rows(spec):
+                        c.ingest_rows(rid, rows)
+                    c.finish_run(rid, "failed")
+            else:
+                ids[name] = load(srv, spec)
+            time.sleep(0.05)  # distinct last_seen_at
+        assert len(set(ids.values())) == len(ids)
+        with srv.client() as c:
+            c.finish_run(ids["quiet"])
+            c.finish_run(ids["failed-old"], "failed")
+            c.finish_run(ids["failed-new"], "failed")
+            c.finish_run(ids["strag"])
+        for name, kind in (("failed-old", "failure"), ("failed-new", "failure"), ("strag", "straggler"),
+                           ("again-0", "failure")):
+            add_alert(eng, kind=kind, metric="x", run_id=ids[name])
+        fams = scrape(srv.url)
+        runs = {lv["run"]: lv["state"] for lv, _ in samples(fams, "fleetscope_run_state")}
+        # live: "live" and "again"; ended with a firing alert, paging kinds first: two of the three
+        # failures (the two most recently active: "again-0" shares the live run's labels)
+        assert runs == {"live": "running", "again": "running", "failed-new": "failed"}, runs
+        assert value(fams, "fleetscope_run_state_code", run="failed-new") == 3.0
+        assert value(fams, "fleetscope_run_alerts_firing", run="failed-new", kind="failure") == 1.0
+        # the failed attempt's failure is counted under the name it shares with the live run
+        assert value(fams, "fleetscope_run_alerts_firing", run="again", kind="failure") == 1.0
+        assert value(fams, "fleetscope_run_state_code", run="again") == 0.0
+        for name in ("fleetscope_run_steps", "fleetscope_run_seconds_since_last_step", "fleetscope_run_step_seconds"):
+            assert {lv["run"] for lv, _ in samples(fams, name)} == {"live", "again"}, name
+        assert not [lv for lv, _ in samples(fams, "fleetscope_run_state") if lv["run"] in ("quiet", "strag")]
+        # acknowledged: not firing any more, so the run leaves; the next one in line comes in
+        with eng.begin() as c:
+            c.execute(text("UPDATE alerts SET state = 'acknowledged' WHERE run_id = :r"), {"r": ids["failed-new"]})
+        fams = scrape(srv.url)
+        runs = {lv["run"]: lv["state"] for lv, _ in samples(fams, "fleetscope_run_state")}
+        assert runs == {"live": "running", "again": "running", "failed-old": "failed"}, runs
     finally:
         srv.stop()
 

@@ -42,7 +42,7 @@ def sample_plan(run: RunRow) -> tuple[int, int]:
 
 
 def _health(engine: Engine, run: RunRow) -> tuple[NetworkHealth, dict[int, tuple[str | None, str | None]], str | None]:
-    hosts = ranks.hosts(engine, run.id)
+    hosts = _cache.cached("hosts", engine, run, lambda: ranks.hosts(engine, run.id))
     if run.collective_records <= 0 or run.steps <= 0:
         return network_health([], hosts), hosts, None
     stride, n = sample_plan(run)

@@ -122,7 +122,8 @@ def with_figures(engine: Engine, runs: Sequence[RunRow]) -> list[tuple[RunRow, R
 def _rank_inputs(engine: Engine, run: RunRow) -> tuple[RankRollups | None, dict[int, tuple[str | None, str | None]]]:
     """The run's per-rank rollups and hosts (what stragglers and data stalls are computed from)."""
     return _cache.cached("rank_inputs", engine, run, lambda: (
-        ranks.rank_rollups(engine, run.id, min_window_steps=MIN_WINDOW_STEPS), ranks.hosts(engine, run.id)))
+        ranks.rank_rollups(engine, run.id, min_window_steps=MIN_WINDOW_STEPS),
+        _cache.cached("hosts", engine, run, lambda: ranks.hosts(engine, run.id))))
 
 
 def _stragglers(engine: Engine, run: RunRow, fig: RunFigures, *, threshold: float = THRESHOLD, per_step: bool = False,
@@ -291,7 +292,8 @@ def parallel_summary(engine: Engine, run: RunRow, fig: RunFigures) -> dict[str, 
 
 
 def _hosts(engine: Engine, run_id: int) -> dict[int, tuple[str | None, str | None]]:
-    return ranks.hosts(engine, run_id)
+    # one read of the run's ranks per run version, shared by the stragglers, network and group spans
+    return _cache.cached_by_id("hosts", engine, run_id, lambda: ranks.hosts(engine, run_id))
 
 
 #: ranks looked up to find the nodes the run's groups span, all dimensions together (a real job's

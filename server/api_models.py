@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["Health", "RunRegistered", "RunFinished", "RunDeleted", "RunDetail", "Collectives", "Scalars", "Steps",
            "BenchmarksRecorded", "BenchmarkSeries", "BenchmarkList", "TraceList", "RunCheck", "NodeRow", "NodeList",
-           "NodeDetail", "Kernels", "Overlap", "RunHealthOut"]
+           "NodeDetail", "Kernels", "Overlap", "RunHealthOut", "RankStepRow", "RankRollups", "RankSteps"]
 
 _OPEN = ConfigDict(extra="allow")
 
@@ -109,6 +109,81 @@ class Steps(BaseModel):
     offset: int | None = None
     limit: int | None = None
     fields: list[str] | None = None
+
+
+class RankStepRow(BaseModel):
+    """One step of one rank (seconds; null = not measured, or no record of the rank in the step) and the
+    step's cross-rank median of each component (``median_*``)."""
+
+    model_config = _OPEN
+    step: int
+    ts: float | None = None
+    n_ranks: int | None = Field(None, description="ranks with a record in the step")
+    present: bool = Field(description="the rank has a record in this step")
+    step_s: float | None = None
+    data_s: float | None = None
+    compute_s: float | None = None
+    comm_exposed_s: float | None = None
+    other_s: float | None = None
+    straggler_wait_s: float | None = Field(None, description="the slowest rank's work − this rank's (≥ 0)")
+    work_s: float | None = Field(None, description="step_s − comm_exposed_s")
+    work_ratio: float | None = Field(None, description="work_s ÷ the median rank's work_s")
+    comm_total_s: float | None = None
+    forward_s: float | None = None
+    backward_s: float | None = None
+    optimizer_s: float | None = None
+    median_step_s: float | None = None
+    median_data_s: float | None = None
+    median_compute_s: float | None = None
+    median_comm_exposed_s: float | None = None
+    median_other_s: float | None = None
+    median_straggler_wait_s: float | None = Field(None, description="slowest rank's work − the median work (as /steps)")
+    median_work_s: float | None = None
+    median_comm_total_s: float | None = None
+    median_forward_s: float | None = None
+    median_backward_s: float | None = None
+    median_optimizer_s: float | None = None
+
+
+class RankRollups(BaseModel):
+    """The rank's straggler rollups, summed over its compacted steps (docs/metrics.md, "Stragglers")."""
+
+    model_config = _OPEN
+    steps: int
+    slowdown: float | None = Field(None, description="median over steps of its work ÷ the step's median work")
+    excess_s: float | None = None
+    data_excess_s: float | None = None
+    compute_excess_s: float | None = None
+    other_excess_s: float | None = None
+    lost_s: float | None = None
+    slowest_steps: int | None = None
+    last_arrivals: int | None = None
+    late_collectives: int | None = Field(None, description="its collectives whose lateness is known (start_ts)")
+    lateness_s: float | None = Field(None, description="mean enqueue time − the earliest rank's, same collective; "
+                                                       "null without start times")
+
+
+class RankSteps(BaseModel):
+    """``GET /runs/{id}/ranks/{rank}/steps``: one rank's decomposition per step against the median rank."""
+
+    model_config = _OPEN
+    run_id: int
+    rank: int
+    world_size: int
+    host: str | None = None
+    node: str | None = None
+    local_rank: int | None = None
+    device: str | None = None
+    rollups: RankRollups | None = None
+    steps: list[RankStepRow]
+    total: int = Field(description="compacted steps of the run")
+    offset: int
+    limit: int = Field(description="rows asked for, as used: at most 1,000 and a cell budget over the run's width")
+    fields: list[str]
+    reduced: bool = Field(description="min/max-downsampled to max_points")
+    points: int = Field(description="steps read (before downsampling)")
+    sampled_every_steps: int = Field(description="1: every step read; k: every k-th (a run too large to read whole)")
+    max_points: int | None = None
 
 
 class BenchmarksRecorded(BaseModel):
@@ -228,8 +303,10 @@ class RunHealthOut(BaseModel):
     finding: str | None = None
     waiting: Any = None
     missing_ranks: list[Any] = Field(default_factory=list)
-    missing_count: int | None = None
+    missing_count: int | None = Field(None, description="every missing rank (missing_ranks lists the first 1,024)")
     missing_nodes: list[Any] = Field(default_factory=list)
+    missing_nodes_count: int | None = Field(None, description="every missing or lost node (missing_nodes lists "
+                                                              "the first 1,024)")
     collective: Any = None
     stacks: dict[str, Any] = Field(default_factory=dict)
     stuck: Any = None

@@ -42,8 +42,14 @@ def run_server(settings: Settings, *, app_factory: Callable[..., FastAPI] = crea
 
     ``app_factory(settings, database_url=...)`` builds the app: the API alone by default; the CLI
     passes ``fleetscope.webapp.create_web_app`` (API + dashboard)."""
+    import sys
+
     import uvicorn
 
+    # a shorter GIL switch interval (5 ms by default): with reads and ingest busy on worker threads, the
+    # event loop (``/healthz``, the edge, admission) gets the interpreter back within ~1 ms, not ~5 ms per
+    # busy thread (bench/reads.py: /healthz p99 under ten worst-case reads)
+    sys.setswitchinterval(0.001)
     url, pg = resolve_database_url(settings.database_url, settings.data_dir)
     try:
         app = app_factory(settings, database_url=url)

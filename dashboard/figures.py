@@ -32,6 +32,7 @@ __all__ = [
     "decomposition_figure",
     "heatmap_figure",
     "slowdown_figure",
+    "rank_drill_figure",
     "collectives_figure",
     "memory_figure",
     "throughput_figure",
@@ -286,6 +287,64 @@ def slowdown_figure(sd: dict[str, Any] | None, *, threshold: float = 1.05, top_n
                   **extra)
     if nodes:
         lay["margin"]["t"] = 86  # room for the two panel titles under the subtitle
+    return {"data": data, "layout": lay}
+
+
+#: the rank drill-down's panels: (component, title, colour of the rank's line)
+_DRILL = (("step_s", "step", "#009E73"), ("data_s", "data", COMPONENT_COLORS["data_s"]),
+          ("compute_s", "compute", COMPONENT_COLORS["compute_s"]),
+          ("comm_exposed_s", "exposed comm", COMPONENT_COLORS["comm_exposed_s"]),
+          ("other_s", "other", "#6b7280"), ("straggler_wait_s", "straggler wait", COMPONENT_COLORS["straggler_wait_s"]))
+_DRILL_COLS = ((0.0, 0.29), (0.355, 0.645), (0.71, 1.0))
+_DRILL_ROWS = ((0.6, 1.0), (0.0, 0.4))
+
+
+@guarded
+def rank_drill_figure(view: dict[str, Any] | None) -> Fig:
+    """One rank against the median rank, per step: a small chart per component (step, data, compute,
+    exposed comm, other, straggler wait), the rank's line in the component's colour and the median
+    rank's dotted; each chart in its own unit. ``view``: ``reports.rank_view.rank_steps``."""
+    rows = (view or {}).get("steps") or []
+    if not rows:
+        return empty_figure("No steps of this rank yet: it appears once its steps are compacted.")
+    rank = view["rank"] if view else "?"
+    x = _arr(np.asarray([r["step"] for r in rows], dtype=np.int64))
+
+    def col(k: str) -> np.ndarray:
+        return np.asarray([np.nan if r.get(k) is None else r[k] for r in rows], dtype=np.float64)
+
+    data: list[dict[str, Any]] = []
+    extra: dict[str, Any] = {}
+    ann = []
+    for i, (k, title, color) in enumerate(_DRILL):
+        own, med = col(k), col(f"median_{k}")
+        mult, unit = time_unit(np.concatenate([own, med])[:: max(1, 2 * len(rows) // 2000)].tolist())
+        n = "" if i == 0 else str(i + 1)
+        cx, ry = _DRILL_COLS[i % 3], _DRILL_ROWS[i // 3]
+        for name, y, line, group in ((f"rank {rank}", own, {"color": color, "width": 1.4}, "rank"),
+                                     ("median rank", med, {"color": "#1f2328", "width": 1, "dash": "dot"}, "median")):
+            data.append({"type": "scatter", "x": x, "y": _f(y, mult), "name": plain(name), "mode": "lines", "line": line,
+                         "legendgroup": group, "showlegend": i == 0, "xaxis": f"x{n}", "yaxis": f"y{n}",
+                         "hovertemplate": f"{plain(title, template=True)}: %{{y:.3g}} {unit}<extra>{plain(name, template=True)}"
+                                          "</extra>"})
+        extra[f"xaxis{n}"] = _axis(domain=list(cx), anchor=f"y{n}", title="step" if i >= 3 else None,
+                                   **({"matches": "x"} if i else {}))
+        extra[f"yaxis{n}"] = _axis(domain=list(ry), anchor=f"x{n}", rangemode="tozero")
+        ann.append({"text": f"{title} ({unit})", "xref": "paper", "x": cx[0], "xanchor": "left", "yref": "paper",
+                    "y": ry[1], "yanchor": "bottom", "showarrow": False, "font": {"size": 11}})
+    parts = []
+    points = int((view or {}).get("points") or len(rows))
+    if (view or {}).get("reduced"):
+        parts.append(f"{len(rows):,} of {points:,} steps: per bucket of steps, those with each component's min and max")
+    else:
+        parts.append(f"every step read ({points:,})")
+    k = int((view or {}).get("sampled_every_steps") or 1)
+    if k > 1:
+        parts.append(f"a sample: every {k}th step of a run too wide to read whole")
+    parts.append("median rank = the step's cross-rank median of each component")
+    lay = _layout(f"Rank {rank} against the median rank", height=440, note="; ".join(parts), hovermode="x unified",
+                  annotations=ann, **extra)  # extra's xaxis / yaxis: the first panel's
+    lay["margin"]["t"] = 90  # the subtitle and the panels' titles
     return {"data": data, "layout": lay}
 
 

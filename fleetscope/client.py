@@ -17,7 +17,7 @@ import re
 import reprlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -464,6 +464,75 @@ class Client:
         with _interpreting(at, None):
             return pd.DataFrame(rows, columns=fields or None)
 
+    def rank_steps(self, run_id: int, ranks: int | list[int] | None = None, *, max_points: int | None = None,
+                   page_size: int = 1_000, max_ranks: int = 64) -> Any:
+        """Ranks' step-time components against the median rank, one row per (rank, step): ``rank``,
+        ``step``, ``present``, ``step_s``, ``data_s``, ``compute_s``, ``comm_exposed_s``, ``other_s``,
+        ``straggler_wait_s``, ``work_s``, ``work_ratio``, phases, and ``median_<component>`` (the step's
+        cross-rank median) — every page of ``GET /api/v1/runs/{id}/ranks/{rank}/steps`` for each rank.
+
+        ``ranks``: a rank or a list of ranks. ``None`` is every rank of the run, bounded: allowed only
+        when the run has at most ``max_ranks`` (default 64) ranks — a request per rank and page, each
+        reading the blocks of its steps, so a wider run raises ValueError: pick the ranks (the summary's
+        ``stragglers``, the heatmap) or raise ``max_ranks``. ``max_points``: one request per rank, the
+        server's min/max-downsampled series of the whole run (at most that many rows per rank; on a very
+        wide run a sample of its steps, as the answer's ``sampled_every_steps`` says). A wide run's pages
+        hold fewer steps than ``page_size`` (the server's ``limit``): they are followed all the same."""
+        pd = _pandas()
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size!r}")
+        if ranks is None:
+            run, at = self._get_object(f"/api/v1/runs/{int(run_id)}")
+            with _interpreting(at, run):
+                world = int(run["world_size"])
+            if world > max_ranks:
+                raise ValueError(f"run {run_id} has {world:,} ranks, more than max_ranks={max_ranks}: pass ranks=[...] "
+                                 "(e.g. the summary's stragglers) or a larger max_ranks")
+            wanted = list(range(world))
+        else:
+            wanted = ([int(r) for r in ranks] if isinstance(ranks, Iterable) and not isinstance(ranks, (str, bytes))
+                      else [int(ranks)])  # type: ignore[arg-type]
+        frames: list[dict[str, Any]] = []
+        fields: list[str] = []
+        at = _At(None, "GET", f"/api/v1/runs/{int(run_id)}/ranks")
+        for rank in wanted:
+            rows, fields, at = self._rank_pages(int(run_id), rank, max_points, page_size, fields)
+            frames.extend({"rank": rank, **r} for r in rows)
+        with _interpreting(at, None):
+            cols = ["rank", *(fields or [])] if fields else None
+            return pd.DataFrame(frames, columns=cols)
+
+    def _rank_pages(self, run_id: int, rank: int, max_points: int | None, page_size: int,
+                    fields: list[str]) -> tuple[list[dict[str, Any]], list[str], _At]:
+        """Every row of one rank (every page by the ``after`` cursor, or the one downsampled answer)."""
+        path = f"/api/v1/runs/{run_id}/ranks/{rank}/steps"
+        if max_points is not None:
+            page, at = self._get_object(path, {"max_points": max_points})
+            return _rows(page, at, "steps"), _fields(page, at) or fields, at
+        rows: list[dict[str, Any]] = []
+        after: int | None = None
+        at = _At(None, "GET", path)
+        for _ in range(self.max_pages):
+            params: dict[str, Any] = {"limit": page_size}
+            if after is not None:
+                params["after"] = after
+            page, at = self._get_object(path, params)
+            got = _rows(page, at, "steps")
+            total = _total(page, at)
+            fields = _fields(page, at) or fields
+            with _interpreting(at, page):
+                used = int(page.get("limit") or page_size)
+                fresh = [r for r in got if after is None or int(r["step"]) > after]
+            if got and not fresh:
+                raise at.error(f"the server sent steps up to {after} again for after={after} (it ignores paging?)",
+                               _short.repr(got))
+            rows.extend(fresh)
+            if not got or len(got) < min(used, page_size) or (total is not None and len(rows) >= total):
+                return rows, fields, at
+            with _interpreting(at, page):
+                after = max(int(r["step"]) for r in fresh)
+        raise at.error(f"still paging after max_pages={self.max_pages:,} pages ({len(rows):,} steps of rank {rank} read)")
+
     def scalars(self, run_id: int, names: list[str] | None = None, *, max_points: int = 20_000) -> Any:
         """Training scalars in long form: ``name``, ``step``, ``value`` (per step the lowest logging rank;
         a series longer than ``max_points`` is min/max-downsampled by the server)."""
@@ -578,6 +647,15 @@ def _total(body: dict[str, Any], at: _At) -> int | None:
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
         raise at.error(f"'total' is not a count: {_short.repr(t)}", _short.repr(body))
     return int(t)
+
+
+def _fields(body: dict[str, Any], at: _At) -> list[str]:
+    f = body.get("fields")
+    if f is None:
+        return []
+    if not (isinstance(f, list) and all(isinstance(x, str) for x in f)):
+        raise at.error(f"'fields' is {_kind(f)}, not a list of names", _short.repr(body))
+    return f
 
 
 @contextlib.contextmanager

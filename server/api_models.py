@@ -318,3 +318,22 @@ class RunHealthOut(BaseModel):
     threshold_s: float | None = None
     hang_s: float | None = None
     limits: Any = None
+
+
+class BaselinePin(BaseModel):
+    """``POST /api/v1/baselines``: the run to pin as its family's baseline."""
+
+    run_id: int = Field(ge=1, le=2**31 - 1)
+
+
+class BaselinePinned(BaseModel):
+    model_config = _OPEN
+    run_id: int
+    name: str
+    model_family: str
+    config_signature: str
+
+
+class BaselineList(BaseModel):
+    model_config = _OPEN
+    baselines: list[dict[str, Any]]

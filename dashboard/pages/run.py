@@ -1,7 +1,9 @@
 """Run (``/runs/<id>``): what the run spends its step on and what to fix first.
 
 Sections: bottleneck report (Amdahl ceilings + findings), step-time decomposition, per-rank × step
-heatmap (``?heat=step_s|work_s&agg=max|mean``, reduced server-side), stragglers by rank and node,
+heatmap of any component (``?heat=step_s|work_s|data_s|compute_s|comm_exposed_s|other_s|straggler_wait_s&agg=max|mean``,
+reduced server-side), stragglers by rank and node, the rank drill-down (``?rank=``: one rank's components
+against the median rank, dashboard/rank_panel.py),
 throughput/MFU, memory, collectives (busbw, efficiency), communication by parallel dimension and the
 pipeline (when the job has one), modality tokens and packing, goodput and events, trace summaries when
 present, and the config."""
@@ -16,7 +18,7 @@ import dash
 from dash import Input, Output, clientside_callback, dcc, html
 from fleetscope.server import reports
 
-from .. import _state, scalars_panel
+from .. import _state, rank_panel, scalars_panel
 from .. import figures as F
 from ..components import (
     URL_SYNC_JS,
@@ -66,6 +68,9 @@ DIAGNOSIS = "run-diagnosis"
 BALANCE = "run-balance"
 
 GRAPHS = (DECOMPOSITION, HEATMAP, STRAGGLERS, THROUGHPUT, MEMORY, COLLECTIVES, MODALITY)
+#: the heatmap's fields (``rank_matrix.HEATMAP_FIELDS``) as the selector labels them
+HEAT_OPTIONS = (("step_s", "step"), ("work_s", "work"), ("data_s", "data"), ("compute_s", "compute"),
+                ("comm_exposed_s", "exposed comm"), ("other_s", "other"), ("straggler_wait_s", "straggler wait"))
 
 
 def _run_id(run_id: Any) -> int | None:
@@ -76,7 +81,16 @@ def _run_id(run_id: Any) -> int | None:
     return v if 0 < v < 2**31 else None
 
 
-def layout(run_id: str | None = None, heat: str | None = None, agg: str | None = None, **_: Any) -> html.Div:
+def _rank_param(rank: Any, world: int) -> int | None:
+    try:
+        r = int(str(rank))
+    except (TypeError, ValueError):
+        return None
+    return r if 0 <= r < world else None
+
+
+def layout(run_id: str | None = None, heat: str | None = None, agg: str | None = None, rank: str | None = None,
+           **_: Any) -> html.Div:
     rid = _run_id(run_id)
     try:
         eng = _state.engine()
@@ -88,7 +102,7 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
                          empty_state(f"There is no run {run_id!r}", "Pick a run on the fleet page.",
                                      eid="run-not-found"),
                          dcc.Link("← fleet", href="/")])
-    heat = heat if heat in ("step_s", "work_s") else "work_s"  # work time shows stragglers; step time is equal in sync jobs
+    heat = heat if heat in dict(HEAT_OPTIONS) else "work_s"  # work time shows stragglers; step time is equal in sync jobs
     agg = agg if agg in ("max", "mean", "min") else "max"
     sub = [status_badge(run["status"]), f" {run.get('model_family') or 'no family'} · {run['world_size']:,} ranks",
            f" × {run.get('device_type') or 'unknown device'}", f" · started {fmt_time(run.get('started_at'))}"]
@@ -106,18 +120,18 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
         loading(kpi_strip([], kid=KPIS)),
         section("Diagnosis", loading(html.Div(id=DIAGNOSIS))),
         section("Bottlenecks · Amdahl ceilings", loading(html.Div(id=BOTTLENECK_TEXT))),
-        section(None, loading(graph(DECOMPOSITION))),
+        section(None, [loading(graph(DECOMPOSITION)), rank_panel.zero_code_note(run, "run-zero-code-data")]),
         scalars_panel.run_panel(rid),  # loss & co. on the step axis beside step time (dashboard/scalars_panel.py)
         loading(html.Div(id=COMPILE)),
         loading(html.Div(id=KERNELS)),
         section(None, loading(graph(HEATMAP)), right=html.Div([
-            dcc.RadioItems(id=HEAT_FIELD, options=[{"label": "step time", "value": "step_s"},
-                                                   {"label": "work time", "value": "work_s"}],
+            dcc.RadioItems(id=HEAT_FIELD, options=[{"label": label, "value": v} for v, label in HEAT_OPTIONS],
                            value=heat, inline=True, className="fs-radio"),
             dcc.RadioItems(id=HEAT_AGG, options=[{"label": a, "value": a} for a in ("max", "mean", "min")],
                            value=agg, inline=True, className="fs-radio"),
         ], className="fs-inline")),
         section(None, [loading(graph(STRAGGLERS)), loading(html.Div(id=STRAGGLER_TABLE))]),
+        rank_panel.rank_section(run, _rank_param(rank, int(run.get("world_size") or 1))),
         html.Div([section(None, loading(graph(THROUGHPUT)), cls="fs-col-6"),
                   section(None, loading(graph(MEMORY)), cls="fs-col-6")], className="fs-row"),
         section(None, html.Div([html.Div(loading(graph(COLLECTIVES)), className="fs-col-6"),
@@ -797,6 +811,6 @@ def _kernels(rid: int) -> Any:
 
 
 clientside_callback(
-    f"function(h, a) {{ return ({URL_SYNC_JS})([['heat', h], ['agg', a]]); }}",
-    Output(URL, "data"), Input(HEAT_FIELD, "value"), Input(HEAT_AGG, "value"),
+    f"function(h, a, r) {{ return ({URL_SYNC_JS})([['heat', h], ['agg', a], ['rank', r]]); }}",
+    Output(URL, "data"), Input(HEAT_FIELD, "value"), Input(HEAT_AGG, "value"), Input(rank_panel.RANK_PICK, "value"),
 )

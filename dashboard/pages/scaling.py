@@ -35,10 +35,17 @@ DECOMP = "scaling-decomposition"
 COMM_DIMS = "scaling-comm-dims"
 TABLE = "scaling-table"
 EMPTY = "scaling-empty"
+HAND = "scaling-hand"
+APART = "scaling-apart"
 MAX_CONFIGS = 4
 
 
-def layout(family: str | None = None, **_: Any) -> html.Div:
+def _ids(text: str | None) -> list[int]:
+    """Run ids from a URL parameter: ``exclude=12,15``."""
+    return [int(x) for x in (text or "").split(",") if x.strip().isdigit()][:200]
+
+
+def layout(family: str | None = None, exclude: str | None = None, include: str | None = None, **_: Any) -> html.Div:
     try:
         fams = reports.families(_state.engine())
     except _state.NotReady as e:
@@ -56,18 +63,37 @@ def layout(family: str | None = None, **_: Any) -> html.Div:
                     dcc.Dropdown(id=FAMILY, options=[{"label": f, "value": f} for f in fams], value=fam, clearable=False,
                                  className="fs-control")),
         dcc.Store(id=URL),
+        dcc.Store(id=HAND, data={"exclude": _ids(exclude), "include": _ids(include)}),
         html.Div([section(None, loading(graph(THROUGHPUT)), cls="fs-col-6"),
                   section(None, loading(graph(EFFICIENCY)), cls="fs-col-6")], className="fs-row"),
         loading(html.Div(id=DECOMP, className="fs-row")),
         section(None, loading(graph(COMM_DIMS))),
         section("Points", loading(html.Div(id=TABLE))),
+        section("Set apart", loading(html.Div(id=APART))),
     ])
 
 
+@callback(Output(APART, "children"), Input(FAMILY, "value"), Input(HAND, "data"))
+def _apart(family: str, hand: dict[str, Any] | None) -> Any:
+    hand = hand or {}
+    data = reports.scaling_view(_state.engine(), family, exclude=hand.get("exclude") or (),
+                                include=hand.get("include") or ())
+    rows = data.get("excluded") or []
+    note = html.P("Runs that failed, hung or stalled, or had a straggler (straggler wait ≥ 10 % of the step), are "
+                  "not on the curves. Keep one with ?include=ID in the URL, drop another with ?exclude=ID "
+                  "(comma-separated ids).", className="fs-muted")
+    if not rows:
+        return [note, html.P("None.")]
+    return [note, simple_table(["run", "id", "GPUs", "why"],
+                               [[r["name"], str(r["run"]), str(r["world_size"]), r["reason"]] for r in rows[:200]])]
+
+
 @callback(Output(THROUGHPUT, "figure"), Output(EFFICIENCY, "figure"), Output(DECOMP, "children"),
-          Output(COMM_DIMS, "figure"), Output(TABLE, "children"), Input(FAMILY, "value"))
-def _fill(family: str) -> tuple[Any, ...]:
-    data = reports.scaling_view(_state.engine(), family)
+          Output(COMM_DIMS, "figure"), Output(TABLE, "children"), Input(FAMILY, "value"), Input(HAND, "data"))
+def _fill(family: str, hand: dict[str, Any] | None = None) -> tuple[Any, ...]:
+    hand = hand or {}
+    data = reports.scaling_view(_state.engine(), family, exclude=hand.get("exclude") or (),
+                                include=hand.get("include") or ())
     cfgs = data["configs"][:MAX_CONFIGS]
     data = {**data, "configs": cfgs}
     if not cfgs:

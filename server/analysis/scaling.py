@@ -11,7 +11,7 @@ n0 to the largest n explains the loss.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,15 +48,40 @@ def _mode(points: list[dict[str, Any]]) -> str:
     return "unknown"
 
 
+#: run states whose figures do not describe the setup's scaling: set apart from the points by default
+SET_APART_STATES = ("failed", "hung", "stalled", "aborted")
+#: straggler wait at least this share of the step: the run had a flagged straggler (a sick node, not the
+#: setup) and is set apart by default
+STRAGGLER_SHARE = 0.10
+
+
+def set_apart_reason(run: Any, fig: Any) -> str | None:
+    """Why a run's point would mislead a scaling curve (its state, or a straggler), else None."""
+    if run.status in SET_APART_STATES:
+        return f"the run {run.status}"
+    share = (fig.shares or {}).get("straggler_wait")
+    if share is not None and share >= STRAGGLER_SHARE:
+        return f"a straggler: {100 * share:.0f} % of the step waits for the slowest rank"
+    return None
+
+
 def scaling(family: str, runs: Sequence[RunWithFigures], *, device_type: str | None = None,
-            signature: str | None = None, status: tuple[str, ...] | None = None) -> dict[str, Any]:
+            signature: str | None = None, status: tuple[str, ...] | None = None,
+            exclude: Collection[int] = (), include: Collection[int] = ()) -> dict[str, Any]:
     """Scaling curves of a family from its runs' figures: one group per (scaling signature, device
-    type), points by world size."""
+    type), points by world size. Runs that failed, hung or stalled, or had a flagged straggler
+    (:func:`set_apart_reason`), and the runs in ``exclude``, are set apart — listed in ``excluded`` with
+    the reason, not in any point — unless named in ``include``."""
     groups: dict[tuple[str, str | None], list[RunWithFigures]] = {}
+    excluded: list[dict[str, Any]] = []
     for run, fig in runs:
         if not fig.steps or fig.step_s is None:
             continue
         if status and run.status not in status:
+            continue
+        why = "excluded by hand" if run.id in exclude else (None if run.id in include else set_apart_reason(run, fig))
+        if why is not None:
+            excluded.append({"run": run.id, "name": run.name, "world_size": int(run.world_size or 1), "reason": why})
             continue
         if device_type and run.device_type != device_type:
             continue
@@ -122,7 +147,7 @@ def scaling(family: str, runs: Sequence[RunWithFigures], *, device_type: str | N
             "growing_component": growth,
         })
     out_groups.sort(key=lambda g: (-len(g["points"]), str(g["device_type"]), g["signature"]))
-    return {"family": family, "groups": out_groups}
+    return {"family": family, "groups": out_groups, "excluded": excluded}
 
 
 def compare_runs(run_ids: Sequence[int], found: dict[int, RunWithFigures]) -> dict[str, Any]:

@@ -100,11 +100,11 @@ def compare_view(engine: Engine, run_ids: list[int], *, max_points: int = 400) -
 
 
 def scaling(engine: Engine, *, family: str, device_type: str | None = None, signature: str | None = None,
-            status: tuple[str, ...] | None = None) -> dict[str, Any]:
+            status: tuple[str, ...] | None = None, exclude: Sequence[int] = (),
+            include: Sequence[int] = ()) -> dict[str, Any]:
     """Scaling curves of a family (``analysis.scaling.scaling``)."""
     return _scaling(family, with_figures(engine, scope.visible_rows(run_store.family_runs(engine, family))),
-                    device_type=device_type,
-                    signature=signature, status=status)
+                    device_type=device_type, signature=signature, status=status, exclude=exclude, include=include)
 
 
 _SCALING_VOLATILE = ("batch", "world", "seed", "nodes", "gpus", "name", "dp")
@@ -126,12 +126,14 @@ def _median_comm_by_dim(by_run: list[dict[str, dict[str, float]]]) -> dict[str, 
             for d in dims}
 
 
-def scaling_view(engine: Engine, family: str) -> dict[str, Any]:
+def scaling_view(engine: Engine, family: str, *, exclude: Sequence[int] = (),
+                 include: Sequence[int] = ()) -> dict[str, Any]:
     """The Scaling page: per configuration of a family, throughput (measured and ideal), efficiency,
     the seconds of each component of the median step, and exposed/total communication per parallel
     dimension (``comm_by_dim``, median over the runs of a size), against world size."""
     configs = []
-    groups = scaling(engine, family=family)["groups"]
+    res = scaling(engine, family=family, exclude=exclude, include=include)
+    groups = res["groups"]
     by_dim = comm_by_dim_of_runs(engine, sorted({r for g in groups for p in g["points"] for r in p["runs"]}))
     for g in groups:
         pts = []
@@ -148,4 +150,4 @@ def scaling_view(engine: Engine, family: str) -> dict[str, Any]:
         if pts:
             configs.append({"config": _config_label(g.get("device_type"), g.get("config")), "mode": g.get("mode") or "unknown",
                             "points": pts, "growth": growth.get("explanation") if isinstance(growth, dict) else None})
-    return {"family": family, "configs": configs, "source": "analysis"}
+    return {"family": family, "configs": configs, "source": "analysis", "excluded": res["excluded"]}

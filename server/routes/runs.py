@@ -8,13 +8,22 @@ from fastapi import APIRouter, HTTPException, Path, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from .. import reports
-from ..api_models import Collectives, RunDeleted, RunDetail, RunFinished, RunRegistered, Scalars, Steps
+from ..api_models import (
+    Collectives,
+    RankSteps,
+    RunDeleted,
+    RunDetail,
+    RunFinished,
+    RunRegistered,
+    Scalars,
+    Steps,
+)
 from ..deps import AdminAuth, IngestAuth, IngestCaller, State
 from ..ingest import INGEST_ENCODINGS
 from ..limits import MAX_PAGE_ROWS, MAX_SCALAR_READ_POINTS
 from ..ownership import owners_for
 from ..reads import ReadState
-from ..reports import research
+from ..reports import rank_view, research
 from ..runs import NotOwner, RunFinish, RunRegistration, delete_run, finish_run, register_run
 from ..schemas import RunsResponse, SummaryResponse
 
@@ -137,6 +146,31 @@ def get_steps(
                                                                           "offset ignored)")] = None,
 ) -> dict[str, Any]:
     out = research.run_steps(st.engine, run_id, offset=offset, limit=limit, after=after)
+    if out is None:
+        raise HTTPException(status_code=404, detail=f"run {run_id} not found")
+    return out
+
+
+@router.get("/runs/{run_id}/ranks/{rank}/steps", response_model=RankSteps,
+            summary="One rank's step-time components per step against the median rank, paged or downsampled",
+            responses={404: {"description": "No such run, or a rank outside its world size"}})
+def get_rank_steps(
+    run_id: RunId, st: ReadState,
+    rank: Annotated[int, Path(ge=0, le=2**31 - 1, description="rank (0 … world size − 1)")],
+    offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE_ROWS, description="rows; fewer on a wide run (the answer's "
+                                                                    "`limit` says how many were used)")] = MAX_PAGE_ROWS,
+    after: Annotated[int | None, Query(ge=-1, le=2**63 - 1, description="rows after this step (a cursor; "
+                                                                          "offset ignored)")] = None,
+    max_points: Annotated[int | None, Query(ge=2, le=rank_view.MAX_SERIES_POINTS,
+                                            description="one series over the run (after `after`), min/max-downsampled "
+                                                        "to at most this many rows; offset and limit ignored")] = None,
+) -> dict[str, Any]:
+    try:
+        out = rank_view.rank_steps(st.engine, run_id, rank, offset=offset, limit=limit, after=after,
+                                   max_points=max_points)
+    except rank_view.RankOutsideRun as e:
+        raise HTTPException(status_code=404, detail=str(e)) from None
     if out is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
     return out

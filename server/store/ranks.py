@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from sqlalchemy import Engine, text
 
@@ -15,6 +17,7 @@ __all__ = [
     "node_of_rank",
     "gpus_per_node",
     "rank_rollups",
+    "rank_detail",
 ]
 
 #: the per-rank scalars of ``rank_rollups`` a report reads (sums over the rank's compacted steps)
@@ -73,3 +76,23 @@ def rank_rollups(engine: Engine, run_id: int, *, min_window_steps: int) -> RankR
         flagged.setdefault(int(rank), []).append((int(w), float(ratio_sum) / max(int(steps), 1)))
     return RankRollups({k: mat[:, i] for i, k in enumerate(ROLLUP_COLUMNS)}, flagged,
                        {int(k): int(v) for k, v in n_wins})
+
+
+#: ``rank_rollups`` columns of one rank's detail (``rank_detail``)
+_DETAIL_ROLLUPS = ("steps", "slowdown", "excess_s", "data_excess_s", "compute_excess_s", "other_excess_s", "lost_s",
+                   "slowest_steps", "late_s", "late_n", "last_arrivals")
+
+
+def rank_detail(engine: Engine, run_id: int, rank: int) -> dict[str, Any]:
+    """One rank's row of ``ranks`` (``host``, ``node`` — the host when none —, ``local_rank``, ``device``;
+    None each when the rank never reported them) and of ``rank_rollups`` (``rollups``: the sums over its
+    compacted steps, None when the run has none for it): two primary-key reads, whatever the run's width."""
+    with engine.connect() as c:
+        who = c.execute(text("SELECT host, coalesce(node, host), local_rank, device FROM ranks "
+                             "WHERE run_id = :id AND rank = :r"), {"id": run_id, "r": rank}).fetchone()
+        roll = c.execute(text(f"SELECT {', '.join(_DETAIL_ROLLUPS)} FROM rank_rollups WHERE run_id = :id AND rank = :r"),
+                         {"id": run_id, "r": rank}).fetchone()
+    out: dict[str, Any] = dict(zip(("host", "node", "local_rank", "device"), who or (None,) * 4, strict=True))
+    out["rollups"] = None if roll is None else {k: (None if v is None else float(v)) for k, v in zip(_DETAIL_ROLLUPS, roll,
+                                                                                                    strict=True)}
+    return out

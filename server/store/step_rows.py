@@ -10,7 +10,7 @@ from sqlalchemy import Engine, text
 
 from ..limits import MAX_PAGE_ROWS
 
-__all__ = ["step_page", "STEP_FIELDS"]
+__all__ = ["step_page", "STEP_FIELDS", "RANK_ROLLUP_COLUMNS", "count_steps", "rollup_rows"]
 
 #: (output field, SQL over ``steps``) in the order a row lists them
 _SQL_FIELDS: tuple[tuple[str, str], ...] = (
@@ -52,3 +52,38 @@ def step_page(engine: Engine, run_id: int, *, peak_flops: float | None, mp_size:
                 d[k] = int(d[k])
         out.append(d)
     return total, out
+
+
+# ------------------------------------------------------------------ one rank against the median rank
+
+#: the rollup columns a rank's rows are set against (``GET /runs/{id}/ranks/{rank}/steps``): the step's
+#: cross-rank medians (``work_s``: of step − exposed comm) and the slowest rank's work (``work_s_max``)
+RANK_ROLLUP_COLUMNS: tuple[str, ...] = (
+    "step", "ts", "n_ranks", "step_s", "data_s", "compute_s", "comm_exposed_s", "other_s", "comm_total_s",
+    "forward_s", "backward_s", "optimizer_s", "work_s", "work_s_max",
+)  # fmt: skip
+
+
+def count_steps(engine: Engine, run_id: int, *, after: int | None = None) -> int:
+    """Compacted steps of the run (after step ``after`` when given)."""
+    cond = "run_id = :id AND n_ranks > 0" + (" AND step > :after" if after is not None else "")
+    with engine.connect() as c:
+        return int(c.execute(text(f"SELECT count(*) FROM steps WHERE {cond}"), {"id": run_id, "after": after}).scalar() or 0)
+
+
+def rollup_rows(engine: Engine, run_id: int, *, offset: int = 0, limit: int = MAX_PAGE_ROWS, after: int | None = None,
+                stride: int = 1) -> list[tuple[Any, ...]]:
+    """``RANK_ROLLUP_COLUMNS`` of at most ``limit`` compacted steps in step order: from ``offset``, or
+    after step ``after``; with ``stride`` k > 1 every k-th of them (counted from the first; offset ignored).
+    Only the rollup columns are read: the per-rank blocks stay in their TOAST table."""
+    cols = ", ".join(RANK_ROLLUP_COLUMNS)
+    cond = "run_id = :id AND n_ranks > 0" + (" AND step > :after" if after is not None else "")
+    args = {"id": run_id, "after": after, "o": max(0, int(offset)) if after is None else 0, "n": max(0, int(limit)),
+            "k": max(1, int(stride))}
+    with engine.connect() as c:
+        if args["k"] == 1:
+            return list(c.execute(text(f"SELECT {cols} FROM steps WHERE {cond} ORDER BY step OFFSET :o LIMIT :n"),
+                                  args).fetchall())
+        return list(c.execute(text(
+            f"SELECT {cols} FROM (SELECT {cols}, row_number() OVER (ORDER BY step) - 1 AS i FROM steps WHERE {cond}) t "
+            "WHERE i % :k = 0 ORDER BY step LIMIT :n"), args).fetchall())

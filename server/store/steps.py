@@ -29,6 +29,7 @@ __all__ = [
     "rank_step_matrix",
     "recent_blocks",
     "iter_blocks",
+    "blocks_of_steps",
 ]
 
 #: the rollup columns of ``steps`` a frame may hold (NaN = not measured)
@@ -167,6 +168,19 @@ def iter_blocks(engine: Engine, run_id: int, after: int | None, chunk: int = 500
             if len(rows) < chunk:
                 return
             lo = int(rows[-1][0])
+
+
+def blocks_of_steps(engine: Engine, run_id: int, steps: list[int], chunk: int = 500) -> Iterator[list[tuple[int, bytes]]]:
+    """Raw (step, block bytes) of the given compacted steps, in step order, ``chunk`` steps per query
+    (so what one query holds stays bounded whatever the run's width); binary protocol, as ``iter_blocks``."""
+    want = sorted({int(s) for s in steps})
+    chunk = max(1, int(chunk))
+    with raw_connection(engine) as conn, conn.cursor(binary=True) as cur:
+        for lo in range(0, len(want), chunk):
+            cur.execute("SELECT step, block FROM steps WHERE run_id = %s AND step = ANY(%s) AND n_ranks > 0 ORDER BY step",
+                        (run_id, want[lo:lo + chunk]))
+            rows = cur.fetchall()
+            yield [(int(s), bytes(b) if not isinstance(b, bytes) else b) for s, b in rows]
 
 
 def rank_span(engine: Engine, run_id: int) -> int | None:

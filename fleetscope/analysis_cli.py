@@ -164,3 +164,45 @@ def bench(
     if resp.status_code != 200:
         raise _fail(f"posting results failed: HTTP {resp.status_code} {resp.text[:200]}")
     typer.echo(f"posted {len(results)} points to {server} ({len(resp.json()['series'])} series)", err=True)
+
+
+baseline_app = typer.Typer(help="Pinned regression baselines: what `fleetscope check` compares against.",
+                           no_args_is_help=True)
+
+
+@baseline_app.command("pin")
+def baseline_pin(
+    run: Annotated[Optional[str], typer.Argument(help="the run's name (your runs)")] = None,
+    server: Server = "http://127.0.0.1:8000",
+    token: Token = None,
+    run_id: Annotated[Optional[int], typer.Option("--run-id", help="the run's id, when a name is ambiguous")] = None,
+) -> None:
+    """Pin RUN as the baseline of its family and config signature (in your namespace: your team's runs):
+    `fleetscope check` then compares later runs with it and the runs that passed after it, so a regression
+    that persists fails every check until a new baseline is pinned. Exit 0 when pinned, 2 otherwise."""
+    import httpx
+
+    if (run is None) == (run_id is None):
+        raise _fail("give RUN (a name) or --run-id ID")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=60.0) as c:
+            if run_id is None:
+                r = c.get("/api/v1/runs", params={"name": f"eq:{run}", "limit": 50})
+                if r.status_code != 200:
+                    raise _fail(f"listing runs failed: HTTP {r.status_code}")
+                runs = r.json().get("runs", [])
+                if not runs:
+                    raise _fail(f"no run named {run!r} on {server}")
+                if len({x.get("job_id") or f"run:{x['id']}" for x in runs}) > 1:
+                    raise _fail(f"{len(runs)} runs of several jobs are named {run!r}: "
+                                + ", ".join(str(x["id"]) for x in runs[:10]) + "; give --run-id")
+                run_id = int(runs[0]["id"])
+            r = c.post("/api/v1/baselines", json={"run_id": run_id})
+            if r.status_code != 200:
+                raise _fail(f"pinning failed: HTTP {r.status_code} {r.text[:200]}")
+            out = r.json()
+    except httpx.HTTPError as e:
+        raise _fail(f"cannot reach {server}: {e}") from None
+    typer.echo(f"pinned run {out['name']!r} (id {out['run_id']}) as the baseline of {out['model_family']} "
+               f"(config signature {out['config_signature'] or 'none'})")

@@ -399,7 +399,7 @@ def delete_run(
 # Commands that live with their parts. Their modules keep top-level imports light (typer + stdlib),
 # importing heavy dependencies inside the command function.
 def _register_part_commands() -> None:
-    from .analysis_cli import bench, check, detect
+    from .analysis_cli import baseline_app, bench, check, detect
     from .launcher import run as launch_run
     from .simulate import simulate
     from .traces.cli import import_trace
@@ -407,6 +407,7 @@ def _register_part_commands() -> None:
     for name, fn in (("simulate", simulate), ("import-trace", import_trace), ("detect", detect), ("check", check),
                      ("bench", bench)):
         app.command(name)(fn)
+    app.add_typer(baseline_app, name="baseline")
     # `fleetscope run [OPTIONS] -- COMMAND ...`: everything after -- is COMMAND's, options included
     app.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})(launch_run)
 

@@ -4,7 +4,13 @@ States: ``firing`` → ``acknowledged`` (a person saw it; it stays active) → `
 recovered — detected automatically — or a person resolved it). One active alert per (kind, series,
 metric): a new detection of the same series updates it instead of raising another, so re-running
 detection never storms. ``dedup_key`` = kind:series:metric:first-bad, unique: a regression a person
-resolved by hand is not raised again; a new regression of the same series later is.
+resolved by hand is not raised again; one resolved by recovery and detected again is reopened (the
+recovery did not last); a new regression of the same series later is a new alert.
+
+A regression resolves by itself only when a run of its own setup recovers: an active ``run_series``
+alert that detection no longer reports is held (kept firing) until a run of the alert's family, config
+signature, device type and world size, newer than the runs it was detected on, exists — a run of
+another setup of the family never resolves it.
 
 Regression alerts carry ``cause`` and ``diff`` (``analysis.explain``, computed by ``reports.regressions``) in
 their ``details``; the reads show them as top-level keys, with the one-sentence ``explanation``. So do
@@ -12,11 +18,15 @@ their ``details``; the reads show them as top-level keys, with the one-sentence 
 Within-run detection (a run's steps) raises ``step_time_shift``, ``straggler`` (one per run) and
 ``slow_node`` (one per (run, node) the network analysis calls slow) alerts.
 
-Run-health alerts (``hang``, ``node_lost``, ``failure``: one per incident, resolved when steps resume)
-come from the health pass (``health_pass.HealthWorker``) through the same reconciliation.
+Run-health alerts (``hang``, ``node_lost``, ``failure``: one per incident, resolved when steps resume,
+a failure also when a later attempt of the job runs) come from the health pass
+(``health_pass.HealthWorker``) through the same reconciliation.
 
-``AlertWorker`` runs detection on a background thread after compaction passes (throttled) and hands
-new and resolved alerts to the notifier — ingest never waits on it and never sees its errors.
+Every transition (raised, acknowledged, resolved by hand or by recovery, reopened) is in the table;
+``AlertWorker`` and the routes hand it to the notifier at once, and the notifier's per-sink workers
+deliver from the table (``store.alert_deliveries``), so what a crash or another instance missed is
+delivered too. Detection runs on a background thread after compaction passes (throttled) — ingest never
+waits on it and never sees its errors.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from . import reports
-from .analysis.regressions import Regression, series_key
+from .analysis.regressions import MIN_RUN_STEPS, Regression, series_key
 from .store import alerts as alert_store
 from .store import runs as run_store
 
@@ -46,12 +56,20 @@ def alert_url(public_url: str | None, path: str) -> str:
     return (public_url or "").rstrip("/") + path
 
 
-def set_state(engine: Engine, alert_id: int, state: str) -> dict[str, Any] | None:
-    """Acknowledge or resolve an alert by hand (None if it does not exist). Resolving is final."""
+def set_state(engine: Engine, alert_id: int, state: str, *, notifier: Any = None) -> dict[str, Any] | None:
+    """Acknowledge or resolve an alert by hand (None if it does not exist). Resolving is final. A
+    transition is handed to ``notifier`` (every configured sink hears of it once)."""
     if state not in ("acknowledged", "resolved"):
         raise ValueError(f"state must be 'acknowledged' or 'resolved', got {state!r}")
     # only a firing alert can be acknowledged; anything not yet resolved can be resolved
-    return alert_store.set_state(engine, alert_id, state, only_from="firing" if state == "acknowledged" else "unresolved")
+    alert, changed = alert_store.set_state(engine, alert_id, state,
+                                           only_from="firing" if state == "acknowledged" else "unresolved")
+    if changed and alert is not None and notifier is not None:
+        try:
+            notifier.notify(alert, state)
+        except Exception:  # noqa: BLE001 - the transition is stored; the delivery workers find it in the table
+            log.warning("alert %s: could not hand the transition to the notifier", alert_id, exc_info=True)
+    return alert
 
 
 def sync(engine: Engine, found: Iterable[Regression], evaluated: set[str], *,
@@ -60,17 +78,59 @@ def sync(engine: Engine, found: Iterable[Regression], evaluated: set[str], *,
     active alert of its (kind, series, metric), else raises a new one (unless its dedup key was seen
     before); an active alert of an evaluated series that nothing detects any more resolves.
 
-    Returns the notifications to send: ("fired" | "resolved", alert)."""
+    Returns the notifications to send: ("fired" | "reopened" | "resolved", alert)."""
     writes = [
         alert_store.AlertWrite(
-            key=(f.kind, f.series, f.metric), dedup_key=f.dedup_key, run_id=f.run_id, before=f.before, after=f.after,
+            key=(f.kind, _series(f), f.metric), dedup_key=f.dedup_key, run_id=f.run_id, before=f.before, after=f.after,
             change=f.change, significance=f.significance, first_bad_json=json.dumps(f.first_bad, default=str),
-            details_json=json.dumps({**f.details, "series": f.series, "unit": f.unit}, default=str),
+            details_json=json.dumps({**f.details, "series": _series(f), "unit": f.unit}, default=str),
             url=alert_url(public_url, f.url_path),
         )
         for f in found
     ]
-    return alert_store.reconcile(engine, writes, sorted(evaluated))
+    active = alert_store.active_in_series(engine, sorted(evaluated), subseries=True)
+    series = set(evaluated) | {str((a.get("details") or {}).get("series")) for a in active}
+    hold = _not_recovered(engine, active, {w.key for w in writes}, {w.dedup_key for w in writes})
+    return alert_store.reconcile(engine, writes, sorted(series), hold=hold)
+
+
+def _series(f: Regression) -> str:
+    """The series an alert is stored under: a family-switch regression's is the family series plus its
+    bad setup (``<series>@<config signature>:<world size>``), so a later switch of the family to another
+    setup is an alert of its own and never rewrites or resolves this one."""
+    d = f.details or {}
+    if f.kind == "run_series" and d.get("scope") == "family":
+        return f"{f.series}@{d.get('config_signature')}:{d.get('world_size')}"
+    return f.series
+
+
+def _not_recovered(engine: Engine, active: list[dict[str, Any]], detected: set[tuple[str, str, str]],
+                   dedup_keys: set[str]) -> set[int]:
+    """Of the ``active`` alerts, the run-series ones that detection no longer reports but that no run of
+    their own setup has recovered (no run of the alert's family, config signature, device type and world
+    size newer than those it was detected on): a run of another setup of the family — a new switch, an
+    unrelated experiment — must not resolve them. (An alert detected again under another series key —
+    stored before family alerts carried their setup — is held too: its dedup key is detected.)"""
+    hold: set[int] = set()
+    for a in active:
+        d = a.get("details") or {}
+        if a["kind"] != "run_series" or (a["kind"], d.get("series"), a["metric"]) in detected:
+            continue
+        if a.get("dedup_key") in dedup_keys:
+            hold.add(int(a["id"]))
+            continue
+        if a.get("run_id") is None or d.get("world_size") is None or "config_signature" not in d:
+            continue  # an alert from before these details were stored: resolves as it always did
+        try:
+            ws = int(d["world_size"])
+        except (TypeError, ValueError):
+            continue
+        if not alert_store.newer_run_of_setup(
+                engine, run_id=int(a["run_id"]), family=d.get("family"), config_signature=d.get("config_signature"),
+                device_type=d.get("device_type"), world_size=ws,
+                exclude=[int(x) for x in d.get("runs") or [] if isinstance(x, int)], min_steps=MIN_RUN_STEPS):
+            hold.add(int(a["id"]))
+    return hold
 
 
 class AlertWorker:

@@ -34,7 +34,19 @@ from .notifier import Notifier
 from .openapi import api_schema
 from .prom import scrape_groups
 from .reads import CancelOnDisconnect, track_connections
-from .routes import alerts, benchmarks, health, ingest, kernels, nodes, overlap, run_health, runs, traces
+from .routes import (
+    alerts,
+    baselines,
+    benchmarks,
+    health,
+    ingest,
+    kernels,
+    nodes,
+    overlap,
+    run_health,
+    runs,
+    traces,
+)
 from .settings import Settings
 from .state import AppState
 from .store import runs as run_store
@@ -74,8 +86,11 @@ def _build_state(settings: Settings, url: str, app: FastAPI) -> AppState:
         r = run_store.runs_by_ids(engine, [run_id]).get(run_id)
         return None if r is None else (r.name, r.model_family)
 
+    # delivery driven by the alerts table (store.alert_deliveries): one worker and queue per sink
     notifier = Notifier(slack_webhook_url=settings.slack_webhook_url, webhook_url=settings.alert_webhook_url,
-                        alertmanager_url=settings.alertmanager_url, run_info=run_info, generator_url=public)
+                        alertmanager_url=settings.alertmanager_url, run_info=run_info, generator_url=public,
+                        engine=engine)
+    metrics.watch_alert_sinks(notifier.stats)
     worker = AlertWorker(engine, notifier=notifier, public_url=public, interval_s=settings.alert_interval_s,
                          step_check_interval_s=settings.alert_step_check_interval_s)
 
@@ -157,6 +172,7 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
                 log.info("compaction in %d worker processes", settings.compaction_workers)
             else:
                 state.compactor.start(settings.compact_interval_s)
+            state.notifier.start()  # delivers what the alerts table holds undelivered (a restart, another instance)
             if settings.alerts_enabled:
                 state.alerts.start()
             if settings.health_enabled and state.health is not None:
@@ -200,7 +216,7 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
     app.add_middleware(CancelOnDisconnect, concurrency=settings.read_concurrency,
                        wait_s=max(1.0, settings.read_timeout_s))
     app.include_router(health.router)
-    for r in (ingest.router, runs.router, benchmarks.router, traces.router, alerts.router, nodes.router,
+    for r in (ingest.router, runs.router, benchmarks.router, traces.router, alerts.router, baselines.router, nodes.router,
               kernels.router, overlap.router, run_health.router):
         app.include_router(r, prefix="/api/v1")
 

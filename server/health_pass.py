@@ -387,6 +387,10 @@ class HealthWorker:
         """Store the assessment and reconcile the run's health alerts (under ``_save_lock``)."""
         v = a.verdict
         prev = rp.state
+        if prev in ("finished", "failed") and v.state in ("running", "stalled", "hung") and a.seen_step == rp.seen_step:
+            # ended, then reopened by a write that brought no step (a trace attached, a registration, a late
+            # record): it stays as the pass concluded — no running state, so no hang alert later either
+            return []
         changed = (prev != v.state or a.seen_step != rp.seen_step or v.state in ("stalled", "hung", "failed")
                    or rp.progress_at is None)
         if changed:
@@ -397,7 +401,11 @@ class HealthWorker:
         # alerts: one per incident; a hang only when the pass saw the run progress before (a run that
         # was already stopped when this server first looked at it is marked, not paged)
         alertable = v.kind is not None and (v.kind == "failure" or prev is not None)
+        out: list[tuple[str, dict[str, Any]]] = []
         if alertable or prev in ("stalled", "hung", "failed") or prev != v.state:
             writes = [_alert(a, self.public_url)] if alertable else []
-            return alert_store.reconcile(self.engine, writes, [f"health:{rp.run_id}"])
-        return []
+            out = alert_store.reconcile(self.engine, writes, [f"health:{rp.run_id}"])
+        if v.state in ("running", "finished") and a.seen_step is not None and (prev != v.state or rp.seen_step is None):
+            # this attempt runs (or finished): the failure alerts of the job's earlier attempts resolve
+            out += alert_store.resolve_earlier_failures(self.engine, rp.run_id)
+        return out

@@ -79,6 +79,36 @@ def _families(s: dict[str, Any]) -> Iterator[GaugeMetricFamily]:
         yield g
 
 
+class _AlertSinks(Collector):
+    """The notifier's per-sink counters and queue gauges, read at scrape time (never fails a scrape)."""
+
+    def __init__(self, stats: Callable[[], dict[str, dict[str, float]]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        try:
+            stats = self._stats()
+        except Exception:  # noqa: BLE001 - a scrape must not fail
+            log.debug("metrics: no alert sink figures", exc_info=True)
+            return
+        done = CounterMetricFamily("fleetscope_alert_deliveries", "Alert deliveries by sink and outcome: sent, "
+                                   "failed (after retries), dropped (the sink's queue was full)",
+                                   labels=["sink", "outcome"])
+        depth = GaugeMetricFamily("fleetscope_alert_queue_depth", "Alert events waiting in a sink's queue", labels=["sink"])
+        backlog = GaugeMetricFamily("fleetscope_alert_backlog", "Deliveries due for a sink at its last scan of the "
+                                    "alerts table", labels=["sink"])
+        for sink, s in sorted(stats.items()):
+            for outcome in ("sent", "failed", "dropped"):
+                done.add_metric([sink, outcome], float(s.get(outcome, 0)))
+            depth.add_metric([sink], float(s.get("queue", 0)))
+            backlog.add_metric([sink], float(s.get("backlog", 0)))
+        yield done
+        yield depth
+        yield backlog
+
+
 class ServiceMetrics:
     """Ingest throughput, latency, rejections (batches and records), pool/queue depth, compaction (in
     this process or reported by worker processes), database reachability, build info, the process and
@@ -125,6 +155,12 @@ class ServiceMetrics:
         GCCollector(registry=r)
         r.register(_Live(groups, self.collection_errors))
         r.register(self.collection_errors)
+
+    def watch_alert_sinks(self, stats: Callable[[], dict[str, dict[str, float]]]) -> None:
+        """Export the notifier's per-sink figures (``Notifier.stats``) at scrape time: deliveries sent,
+        failed (after retries) and dropped (queue full) as counters, the queue depth and the backlog due
+        at its last scan of the alerts table as gauges (per instance)."""
+        self.registry.register(_AlertSinks(stats))
 
     def reject(self, reason: str, records: int = 0) -> None:
         """Count one refused request (and the records it carried, when known)."""

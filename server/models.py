@@ -47,6 +47,7 @@ __all__ = [
     "BenchmarkSeries",
     "BenchmarkPoint",
     "Alert",
+    "AlertDelivery",
     "ApiToken",
     "TraceSummary",
 ]
@@ -313,6 +314,24 @@ class Alert(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
     acknowledged_at: Mapped[dt.datetime | None] = mapped_column(TZ)
     resolved_at: Mapped[dt.datetime | None] = mapped_column(TZ)
+
+
+class AlertDelivery(Base):
+    """What one sink (``slack``, ``webhook``, ``alertmanager``) was last told about one alert (migration
+    0019, server/store/alert_deliveries.py): a reference table on Citus, like ``alerts``."""
+
+    __tablename__ = "alert_deliveries"
+    alert_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    sink: Mapped[str] = mapped_column(String(16), primary_key=True)
+    seq: Mapped[int | None] = mapped_column(Integer)
+    """the last transition told: 3 × reopens + 0 fired / 1 acknowledged / 2 resolved"""
+    state: Mapped[str | None] = mapped_column(String(16))
+    told_at: Mapped[dt.datetime | None] = mapped_column(TZ)
+    attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    next_at: Mapped[dt.datetime | None] = mapped_column(TZ)
+    claimed_by: Mapped[str | None] = mapped_column(String(64))
+    claimed_until: Mapped[dt.datetime | None] = mapped_column(TZ)
+    updated_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
 
 
 class ApiToken(Base):
@@ -666,3 +685,19 @@ class RunScalar(Base):
 
 
 __all__ += ["RunScalarName", "RunScalar"]
+
+
+# --- pinned regression baselines (migration 0020; server/store/baselines.py) ---------------------
+
+
+class Baseline(Base):
+    """The run a namespace pinned as the regression baseline of a family and config signature."""
+
+    __tablename__ = "baselines"
+    owner_key: Mapped[str] = mapped_column(Text, primary_key=True, server_default="")
+    model_family: Mapped[str] = mapped_column(String(128), primary_key=True)
+    config_signature: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # nullable: a reference table on Citus (a NOT NULL run_id would make it a per-run table)
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    pinned_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
+    pinned_by: Mapped[str | None] = mapped_column(String(128))

@@ -97,10 +97,20 @@ def _attach(result: dict[str, Any], *, server: str, token: str | None, run: str,
             # joins the job's run when the job used a token of the same owner, else makes one of its
             # own — never another owner's run, which would answer 403
             found = [r for r in c.run_list(name=run) if r.get("name") == run]
-            meta = {} if found else {"created_by": "import-trace"}
-            run_id = c.register_run({"name": run, "world_size": world, "meta": meta})
             body = {**result, "source": source[:512]}
-            out = c._check(c.http.post(f"/api/v1/runs/{run_id}/traces", json=body))
+            out = None
+            # attach to the run as it is: registering again would reopen a finished run (and page it as
+            # stalled); only when it is not ours (403) or too small for the traces (422) register
+            for r in found[:1]:
+                if int(r.get("world_size") or 0) >= world:
+                    resp = c.http.post(f"/api/v1/runs/{r['id']}/traces", json=body)
+                    if resp.status_code not in (403, 422):
+                        run_id = int(r["id"])
+                        out = c._check(resp)
+            if out is None:
+                meta = {} if found else {"created_by": "import-trace"}
+                run_id = c.register_run({"name": run, "world_size": world, "meta": meta})
+                out = c._check(c.http.post(f"/api/v1/runs/{run_id}/traces", json=body))
     except ApiError as e:
         if e.status is None:  # no answer: the server was not reached
             typer.echo(f"error: cannot reach {server}: {e}", err=True)

@@ -420,15 +420,8 @@ def _baseline(runs: Sequence[RunWithFigures], run: RunRow) -> tuple[list[RunWith
     return loose, "family + device + world size (no run with the same config signature)"
 
 
-def check_verdict(me: RunWithFigures, family: Sequence[RunWithFigures], shift: Regression | None, *,
-                  max_baseline: int = 20) -> dict[str, Any]:
-    """Is this run a regression against its family's baseline? (``fleetscope check``): its figures
-    against the median of the ``max_baseline`` latest earlier baseline runs of ``family``, plus its own
-    within-run step-time shift."""
-    run, fig = me
-    base, how = _baseline(family, run)
-    base.sort(key=lambda m: (m[0].started_at or "", m[0].id))
-    base = base[-max_baseline:]
+def _verdict(fig: RunFigures, base: Sequence[RunWithFigures]) -> list[dict[str, Any]]:
+    """The metrics on which ``fig`` regressed against the median of ``base`` (empty: no regression)."""
     regs: list[dict[str, Any]] = []
     for metric, (unit, hib) in METRICS.items():
         x = fig.get(metric)
@@ -445,13 +438,47 @@ def check_verdict(me: RunWithFigures, family: Sequence[RunWithFigures], shift: R
         if worse >= MIN_CHANGE and (z is None or z >= CHECK_Z):
             regs.append({"metric": metric, "unit": unit, "before": med, "after": x, "change": change, "z": z,
                          "baseline_runs": int(vals.size)})
+    return regs
+
+
+def passing_baseline(runs: Sequence[RunWithFigures], *, pinned: int | None = None,
+                     max_baseline: int = 20) -> tuple[list[RunWithFigures], int | None]:
+    """The baseline ``runs`` (earlier comparable runs, in start order) give: from the pinned run on when
+    one of them is pinned (else from the first), each later run joins it only when it passed against the
+    baseline of its time — so a regression that is never fixed never becomes the baseline, however many
+    runs repeat it. Returns (the latest ``max_baseline`` runs of the baseline, the pinned run's id when
+    the pin was found among ``runs``)."""
+    order = sorted(runs, key=lambda m: (m[0].started_at or "", m[0].id))
+    start = next((i for i, (r, _f) in enumerate(order) if r.id == pinned), None) if pinned is not None else None
+    pool = order[start:] if start is not None else order
+    accepted: list[RunWithFigures] = []
+    for m in pool:
+        if not accepted or not _verdict(m[1], accepted[-max_baseline:]):
+            accepted.append(m)
+    return accepted[-max_baseline:], (pinned if start is not None else None)
+
+
+def check_verdict(me: RunWithFigures, family: Sequence[RunWithFigures], shift: Regression | None, *,
+                  max_baseline: int = 20, pinned: int | None = None) -> dict[str, Any]:
+    """Is this run a regression against its baseline? (``fleetscope check``): its figures against the
+    median of the latest ``max_baseline`` runs of its baseline — the earlier comparable runs of
+    ``family`` that passed, from the ``pinned`` run on when there is one (:func:`passing_baseline`) —
+    plus its own within-run step-time shift."""
+    run, fig = me
+    cands, how = _baseline(family, run)
+    base, pin_used = passing_baseline(cands, pinned=pinned, max_baseline=max_baseline)
+    if pin_used is not None:
+        how += f"; from the pinned run {pin_used} on"
+    regs = _verdict(fig, base)
     if shift is not None:
         regs.append({"metric": "step_s (within run)", "unit": "s", "before": shift.before, "after": shift.after,
                      "change": shift.change, "p_value": shift.significance, "first_bad_step": shift.first_bad["step"]})
     return {
         "run": {"id": run.id, "name": run.name, "model_family": run.model_family, "world_size": run.world_size,
                 "device_type": run.device_type, "git_commit": run.git_commit},
-        "baseline": {"runs": [r.id for r, _ in base], "match": how},
+        "baseline": {"runs": [r.id for r, _ in base], "match": how, "pinned": pin_used,
+                     "basis": ("the pinned run and the runs that passed after it" if pin_used is not None
+                               else "the earlier comparable runs that passed (a regression never joins them)")},
         "regressions": regs,
         "regressed": bool(regs),
         "min_change": MIN_CHANGE,

@@ -49,6 +49,8 @@ from .regressions import (
     check_run,
     get_alert,
     list_alerts,
+    list_baselines,
+    pin_baseline,
     run_series_regressions,
     slow_node_findings,
     step_shift_regression,
@@ -88,6 +90,7 @@ __all__ = [
     "fleet_rows", "families", "run_options", "compare_runs", "compare_view", "scaling", "scaling_view",
     # regressions, alerts, benchmarks
     "run_series_regressions", "benchmark_regressions", "step_shift_regression", "straggler_finding", "slow_node_findings", "check_run",
+    "pin_baseline", "list_baselines",
     "list_alerts", "get_alert", "alerts_view", "alert_series", "benchmark_series", "benchmarks_view",
 ]  # fmt: skip
 

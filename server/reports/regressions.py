@@ -14,7 +14,7 @@ from ..analysis import regressions as rg
 from ..analysis.figures import RunFigures
 from ..analysis.parallel import comm_by_dim
 from ..downsample import minmax_series
-from ..store import alert_inputs, alerts, benchmarks, collectives, steps
+from ..store import alert_inputs, alerts, baselines, benchmarks, collectives, steps
 from ..store import runs as run_store
 from ..store.rows import RunRow
 from . import _cache, scope
@@ -170,8 +170,32 @@ def check_run(engine: Engine, run_id: int, *, max_baseline: int = 20) -> dict[st
     family = (_same_namespace(run_store.family_runs(engine, run.model_family), run) if run.model_family is not None
               else [run])
     figs = figures(engine, [*family, run])
+    pinned = (baselines.pinned_run(engine, owner_key=run.owner_key, family=run.model_family,
+                                   signature=run.config_signature or "")
+              if run.model_family is not None else None)
     return rg.check_verdict((run, figs[run.id]), [(r, figs[r.id]) for r in family],
-                            step_shift_regression(engine, run_id), max_baseline=max_baseline)
+                            step_shift_regression(engine, run_id), max_baseline=max_baseline, pinned=pinned)
+
+
+def pin_baseline(engine: Engine, run_id: int, *, by: str | None = None) -> dict[str, Any] | None:
+    """Pin ``run_id`` as the baseline of its namespace, family and config signature (``fleetscope baseline
+    pin``); None for no such run (or one the reader may not see). A run without a family cannot be pinned
+    (ValueError)."""
+    run = run_store.get_run(engine, run_id, pending=False)
+    if run is None or not scope.is_visible(engine, run_id):
+        return None
+    if run.model_family is None:
+        raise ValueError(f"run {run_id} has no model family: a baseline is per family and config signature")
+    baselines.pin(engine, owner_key=run.owner_key, family=run.model_family, signature=run.config_signature or "",
+                  run_id=run_id, by=by)
+    return {"run_id": run_id, "name": run.name, "model_family": run.model_family,
+            "config_signature": run.config_signature or ""}
+
+
+def list_baselines(engine: Engine) -> list[dict[str, Any]]:
+    """The pinned baselines the current reader may see, newest first."""
+    keys = scope.visible_keys()
+    return baselines.list_pins(engine, None if keys is None else sorted(keys))
 
 
 def alert_explanation(alert: dict[str, Any]) -> str | None:

@@ -40,18 +40,19 @@ def get_alert(alert_id: AlertId, st: ReadState) -> dict[str, Any]:
 
 
 def _transition(alert_id: int, st: State, state: str) -> dict[str, Any]:
-    a = alert_lifecycle.set_state(st.engine, alert_id, state)
+    # a transition reaches every configured sink once (the notifier's workers deliver it from the table)
+    a = alert_lifecycle.set_state(st.engine, alert_id, state, notifier=getattr(st, "notifier", None))
     if a is None:
         raise HTTPException(status_code=404, detail=f"alert {alert_id} not found")
     return a
 
 
-@router.post("/alerts/{alert_id}/ack", dependencies=[AdminAuth], response_model=AlertOut, summary="Acknowledge a firing alert (it stays active)")
+@router.post("/alerts/{alert_id}/ack", dependencies=[AdminAuth], response_model=AlertOut, summary="Acknowledge a firing alert (it stays active); every sink is told")
 def post_ack(alert_id: AlertId, st: State) -> dict[str, Any]:
     return _transition(alert_id, st, "acknowledged")
 
 
-@router.post("/alerts/{alert_id}/resolve", dependencies=[AdminAuth], response_model=AlertOut, summary="Resolve an alert by hand (the same regression is not raised again)")
+@router.post("/alerts/{alert_id}/resolve", dependencies=[AdminAuth], response_model=AlertOut, summary="Resolve an alert by hand (the same regression is not raised again); every sink is told")
 def post_resolve(alert_id: AlertId, st: State) -> dict[str, Any]:
     return _transition(alert_id, st, "resolved")
 

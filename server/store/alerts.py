@@ -3,13 +3,14 @@ detections with stored alerts (one transaction; the lifecycle rules are ``server
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Engine, text
 
-__all__ = ["AlertWrite", "list_alerts", "get_alert", "set_state", "reconcile", "firing_counts", "alerts_with_runs"]
+__all__ = ["AlertWrite", "list_alerts", "get_alert", "set_state", "reconcile", "firing_counts", "alerts_with_runs",
+           "active_in_series", "newer_run_of_setup", "resolve_earlier_failures"]
 
 _COLS = ("id, dedup_key, kind, metric, state, run_id, before, after, change, significance, first_bad, details, url, "
          "created_at, updated_at, acknowledged_at, resolved_at")
@@ -71,24 +72,35 @@ def get_alert(engine: Engine, alert_id: int) -> dict[str, Any] | None:
     return _row(r) if r is not None else None
 
 
-def set_state(engine: Engine, alert_id: int, state: str, *, only_from: str) -> dict[str, Any] | None:
-    """Move an alert to ``state`` (stamping ``<state>_at``) when its state matches ``only_from``
-    (``firing`` or ``unresolved``); returns the alert as it is then, None when it does not exist."""
+def set_state(engine: Engine, alert_id: int, state: str, *, only_from: str) -> tuple[dict[str, Any] | None, bool]:
+    """Move an alert to ``state`` (stamping ``<state>_at``; a resolution records ``details.resolution``
+    ``{"by": "hand"}``) when its state matches ``only_from`` (``firing`` or ``unresolved``); returns the
+    alert as it is then (None when it does not exist) and whether it changed state."""
     stamp = "acknowledged_at" if state == "acknowledged" else "resolved_at"
     guard = " AND state = 'firing'" if only_from == "firing" else " AND state <> 'resolved'"
+    how = (", details = details || jsonb_build_object('resolution', jsonb_build_object('by', 'hand'))"
+           if state == "resolved" else "")
     with engine.begin() as c:
-        c.execute(
-            text(f"UPDATE alerts SET state = :s, {stamp} = now(), updated_at = now() WHERE id = :id{guard}"),
+        changed = c.execute(
+            text(f"UPDATE alerts SET state = :s, {stamp} = now(), updated_at = now(){how} WHERE id = :id{guard} "
+                 "RETURNING id"),
             {"s": state, "id": alert_id},
-        )
+        ).fetchone() is not None
         r = c.execute(text(f"SELECT {_COLS} FROM alerts WHERE id = :id"), {"id": alert_id}).fetchone()
-    return _row(r) if r is not None else None
+    return (_row(r) if r is not None else None), changed
 
 
-def reconcile(engine: Engine, writes: Iterable[AlertWrite], series: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
+#: what a resolution by recovery records in ``details.resolution``
+_RECOVERED = "jsonb_build_object('resolution', jsonb_build_object('by', 'recovery'))"
+
+
+def reconcile(engine: Engine, writes: Iterable[AlertWrite], series: Sequence[str], *,
+              hold: Collection[int] = ()) -> list[tuple[str, dict[str, Any]]]:
     """In one transaction: update the active alert of each write's key, else insert it (a dedup key
-    already stored — e.g. resolved by hand — is not raised again); resolve the active alerts of
-    ``series`` that no write names. Returns ("fired" | "resolved", alert) for what changed state."""
+    already stored and resolved by hand is not raised again; a regression resolved by recovery is
+    reopened — the recovery did not last; run-health incidents are never reopened); resolve the active
+    alerts of ``series`` that no write names, except those in ``hold`` (``details.resolution`` says
+    ``{"by": "recovery"}``). Returns ("fired" | "reopened" | "resolved", alert) for what changed state."""
     events: list[tuple[str, dict[str, Any]]] = []
     by_key = {w.key: w for w in writes}
     with engine.begin() as c:
@@ -103,7 +115,9 @@ def reconcile(engine: Engine, writes: Iterable[AlertWrite], series: Sequence[str
             if key in active_by:
                 c.execute(
                     text("UPDATE alerts SET before = :before, after = :after, change = :change, significance = :sig, "
-                         "first_bad = CAST(:first_bad AS jsonb), details = CAST(:details AS jsonb), url = :url, "
+                         "first_bad = CAST(:first_bad AS jsonb), details = CAST(:details AS jsonb) || "
+                         "jsonb_strip_nulls(jsonb_build_object('reopens', details->'reopens', "
+                         "'reopened_at', details->'reopened_at')), url = :url, "
                          "run_id = :run_id, updated_at = now() WHERE id = :id"),
                     {**params, "id": active_by[key].id},
                 )
@@ -117,16 +131,84 @@ def reconcile(engine: Engine, writes: Iterable[AlertWrite], series: Sequence[str
             ).fetchone()
             if r is not None:
                 events.append(("fired", _row(r)))
+                continue
+            # the dedup key is stored: reopen it if it was resolved by recovery (not by hand)
+            r = c.execute(
+                text(f"UPDATE alerts SET state = 'firing', resolved_at = NULL, acknowledged_at = NULL, "
+                     f"before = :before, after = :after, change = :change, significance = :sig, "
+                     f"first_bad = CAST(:first_bad AS jsonb), details = CAST(:details AS jsonb) || jsonb_build_object("
+                     f"'reopens', coalesce(CAST(details->>'reopens' AS integer), 0) + 1, 'reopened_at', now()), "
+                     f"url = :url, run_id = :run_id, updated_at = now() "
+                     f"WHERE dedup_key = :dk AND state = 'resolved' AND details->'resolution'->>'by' = 'recovery' "
+                     f"AND kind NOT IN ('hang', 'node_lost', 'failure') "
+                     f"RETURNING {_COLS}"),
+                {**params, "dk": w.dedup_key},
+            ).fetchone()
+            if r is not None:
+                events.append(("reopened", _row(r)))
+        held = set(hold)
         for key, r in active_by.items():
-            if key not in by_key:
+            if key not in by_key and r.id not in held:
                 row = c.execute(
-                    text(f"UPDATE alerts SET state = 'resolved', resolved_at = now(), updated_at = now() WHERE id = :id "
+                    text(f"UPDATE alerts SET state = 'resolved', resolved_at = now(), updated_at = now(), "
+                         f"details = details || {_RECOVERED} WHERE id = :id "
                          f"AND state <> 'resolved' RETURNING {_COLS}"),
                     {"id": r.id},
                 ).fetchone()
                 if row is not None:
                     events.append(("resolved", _row(row)))
     return events
+
+
+def active_in_series(engine: Engine, series: Sequence[str], *, subseries: bool = False) -> list[dict[str, Any]]:
+    """The active (firing or acknowledged) alerts of these series (with ``subseries``, also those stored
+    under ``<series>@<setup>``: family-switch regressions)."""
+    sub = " OR split_part(details->>'series', '@', 1) = ANY(:s)" if subseries else ""
+    with engine.connect() as c:
+        return [_row(r) for r in c.execute(
+            text(f"SELECT {_COLS} FROM alerts WHERE state IN ('firing', 'acknowledged') "
+                 f"AND (details->>'series' = ANY(:s){sub})"),
+            {"s": list(series)})]
+
+
+def newer_run_of_setup(engine: Engine, *, run_id: int, family: str | None, config_signature: str | None,
+                       device_type: str | None, world_size: int, exclude: Sequence[int], min_steps: int) -> bool:
+    """Whether a run of this setup (family, config signature, device type, world size), in the namespace
+    of ``run_id``, with at least ``min_steps`` steps, started after ``run_id`` and is not in ``exclude``."""
+    with engine.connect() as c:
+        return c.execute(text(
+            "SELECT 1 FROM runs o JOIN runs a ON a.id = :rid WHERE o.owner_key = a.owner_key "
+            "AND o.model_family IS NOT DISTINCT FROM :fam AND o.config_signature IS NOT DISTINCT FROM :sig "
+            "AND o.device_type IS NOT DISTINCT FROM :dev AND o.world_size = :ws AND o.steps >= :n "
+            "AND NOT (o.id = ANY(:ex)) AND (o.started_at > a.started_at OR o.started_at = a.started_at AND o.id > a.id) "
+            "LIMIT 1"),
+            {"rid": run_id, "fam": family, "sig": config_signature, "dev": device_type, "ws": world_size,
+             "n": min_steps, "ex": list(exclude)}).fetchone() is not None
+
+
+def resolve_earlier_failures(engine: Engine, run_id: int) -> list[tuple[str, dict[str, Any]]]:
+    """Resolve the unresolved ``failure`` alerts of the earlier attempts of ``run_id``'s job (runs of the
+    same owner with the same job id — or, without one, the same name — and a lower attempt): this attempt
+    runs. ``details.resolution`` names it. Returns ("resolved", alert) per alert resolved."""
+    with engine.begin() as c:
+        me = c.execute(text("SELECT attempt, name FROM runs WHERE id = :r"), {"r": run_id}).fetchone()
+        if me is None or not me[0]:
+            return []
+        ids = [int(x[0]) for x in c.execute(text(
+            "SELECT a.id FROM runs r JOIN runs o ON o.owner_key = r.owner_key AND o.attempt < r.attempt AND "
+            "(CASE WHEN r.job_id IS NOT NULL THEN o.job_id = r.job_id ELSE o.job_id IS NULL AND o.name = r.name END) "
+            "JOIN alerts a ON a.run_id = o.id WHERE r.id = :r AND a.kind = 'failure' AND a.state <> 'resolved'"),
+            {"r": run_id})]
+        if not ids:
+            return []
+        rows = c.execute(text(
+            f"UPDATE alerts SET state = 'resolved', resolved_at = now(), updated_at = now(), details = details || "
+            f"jsonb_build_object('resolution', jsonb_build_object('by', 'recovery', 'run_id', CAST(:r AS integer), "
+            f"'attempt', CAST(:att AS integer), 'note', CAST(:note AS text))) "
+            f"WHERE id = ANY(:ids) AND state <> 'resolved' RETURNING {_COLS}"),
+            {"r": run_id, "att": int(me[0]), "ids": ids,
+             "note": f"attempt {int(me[0])} of the job (run {run_id}) runs"}).fetchall()
+    return [("resolved", _row(r)) for r in rows]
 
 
 def firing_counts(engine: Engine, run_ids: Sequence[int]) -> dict[int, int]:

@@ -41,7 +41,11 @@ def test_check_exit_codes(live_server: Any) -> None:
     srv = ["--server", live_server.url, "--token", live_server.token]
     ok = _cli("check", *srv, "--run", "pr-ok")
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "no regression" in ok.stdout and "7 baseline run(s)" in ok.stdout
+    assert "no regression" in ok.stdout and "baseline run(s)" in ok.stdout
+    # the baseline is the earlier runs that passed: pr-slow regressed, so it never joins it
+    runs = {r["name"]: r["id"] for r in httpx.get(f"{live_server.url}/api/v1/runs", timeout=30).json()["runs"]}
+    verdict = httpx.get(f"{live_server.url}/api/v1/runs/{runs['pr-ok']}/check", timeout=60).json()
+    assert runs["pr-slow"] not in verdict["baseline"]["runs"] and len(verdict["baseline"]["runs"]) >= 5
     slow = _cli("check", *srv, "--run", "pr-slow")
     assert slow.returncode == 1, slow.stdout + slow.stderr
     assert "REGRESSION: tokens_per_s_per_gpu" in slow.stdout and "baseline run(s)" in slow.stdout

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import dash
-from dash import Input, Output, clientside_callback, dcc, html
+from dash import Input, Output, State, clientside_callback, dcc, html
 from fleetscope.server import reports
 
 from .. import _state
@@ -73,7 +73,7 @@ def layout(family: str | None = None, exclude: str | None = None, include: str |
     ])
 
 
-@callback(Output(APART, "children"), Input(FAMILY, "value"), Input(HAND, "data"))
+@callback(Output(APART, "children"), Input(FAMILY, "value"), State(HAND, "data"))
 def _apart(family: str, hand: dict[str, Any] | None) -> Any:
     hand = hand or {}
     data = reports.scaling_view(_state.engine(), family, exclude=hand.get("exclude") or (),
@@ -89,7 +89,7 @@ def _apart(family: str, hand: dict[str, Any] | None) -> Any:
 
 
 @callback(Output(THROUGHPUT, "figure"), Output(EFFICIENCY, "figure"), Output(DECOMP, "children"),
-          Output(COMM_DIMS, "figure"), Output(TABLE, "children"), Input(FAMILY, "value"), Input(HAND, "data"))
+          Output(COMM_DIMS, "figure"), Output(TABLE, "children"), Input(FAMILY, "value"), State(HAND, "data"))
 def _fill(family: str, hand: dict[str, Any] | None = None) -> tuple[Any, ...]:
     hand = hand or {}
     data = reports.scaling_view(_state.engine(), family, exclude=hand.get("exclude") or (),

@@ -116,7 +116,8 @@ def hostile(pg_admin_uri: str) -> Iterator[dict[str, Any]]:
             c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
-def _update(srv: Any, outputs: list[tuple[str, str]], inputs: list[tuple[str, str, Any]]) -> dict[str, Any]:
+def _update(srv: Any, outputs: list[tuple[str, str]], inputs: list[tuple[str, str, Any]],
+            state: list[tuple[str, str, Any]] | None = None) -> dict[str, Any]:
     """POST /_dash-update-component as the page does; any status but 200/204 fails the test."""
     out = [{"id": i, "property": p} for i, p in outputs]
     body = {
@@ -125,7 +126,7 @@ def _update(srv: Any, outputs: list[tuple[str, str]], inputs: list[tuple[str, st
         "outputs": out[0] if len(out) == 1 else out,
         "inputs": [{"id": i, "property": p, "value": v} for i, p, v in inputs],
         "changedPropIds": [f"{i}.{p}" for i, p, _ in inputs],
-        "state": [],
+        "state": [{"id": i, "property": p, "value": v} for i, p, v in state or ()],
     }
     r = httpx.post(f"{srv.url}/_dash-update-component", json=body, timeout=120)
     assert r.status_code in (200, 204), (outputs, inputs, r.status_code, r.text[:500])
@@ -217,7 +218,8 @@ def test_every_page_renders_every_hostile_run(hostile: dict[str, Any], caplog: p
 
     # scaling: the family of every run, the healthy run placed on the curve
     seen["scaling layout"] = _page(srv, "/scaling", f"?family={FAMILY}")
-    got = seen["scaling"] = _update(srv, SCALING_OUT, [("scaling-family", "value", FAMILY)])
+    got = seen["scaling"] = _update(srv, SCALING_OUT, [("scaling-family", "value", FAMILY)],
+                                    [("scaling-hand", "data", None)])
     assert "healthy-8" in json.dumps(got["scaling-table"]["children"])
 
     # regressions: each alert selected, in every state tab

@@ -77,7 +77,8 @@ def _pipeline_run(srv: Any, family: str = "pp-7b") -> int:
     return rid
 
 
-def _callback(srv: Any, outputs: list[tuple[str, str]], inputs: list[tuple[str, str, Any]]) -> dict[str, Any]:
+def _callback(srv: Any, outputs: list[tuple[str, str]], inputs: list[tuple[str, str, Any]],
+              state: list[tuple[str, str, Any]] | None = None) -> dict[str, Any]:
     """POST /_dash-update-component as the page does when its inputs are set."""
     import httpx
 
@@ -88,7 +89,7 @@ def _callback(srv: Any, outputs: list[tuple[str, str]], inputs: list[tuple[str, 
         "outputs": out[0] if len(out) == 1 else out,
         "inputs": [{"id": i, "property": p, "value": v} for i, p, v in inputs],
         "changedPropIds": [f"{i}.{p}" for i, p, _ in inputs],
-        "state": [],
+        "state": [{"id": i, "property": p, "value": v} for i, p, v in state or ()],
     }
     r = httpx.post(f"{srv.url}/_dash-update-component", json=body, timeout=60)
     assert r.status_code in (200, 204), r.text[:500]
@@ -215,7 +216,8 @@ def test_compare_and_scaling_split_exposed_comm_by_dimension(live_server: Any) -
     # scaling: exposed comm per dimension against world size, a line per dimension
     got = _callback(live_server, [("scaling-throughput", "figure"), ("scaling-efficiency", "figure"),
                                   ("scaling-decomposition", "children"), ("scaling-comm-dims", "figure"),
-                                  ("scaling-table", "children")], [("scaling-family", "value", "vla-7b")])
+                                  ("scaling-table", "children")], [("scaling-family", "value", "vla-7b")],
+                    [("scaling-hand", "data", None)])
     fig = got["scaling-comm-dims"]["figure"]
     go.Figure(fig)
     lines = {t["name"]: t for t in fig["data"]}
@@ -229,7 +231,8 @@ def test_compare_and_scaling_split_exposed_comm_by_dimension(live_server: Any) -
     # a family whose runs carry no tokens (the pipeline job): placed without throughput, dims still drawn
     got = _callback(live_server, [("scaling-throughput", "figure"), ("scaling-efficiency", "figure"),
                                   ("scaling-decomposition", "children"), ("scaling-comm-dims", "figure"),
-                                  ("scaling-table", "children")], [("scaling-family", "value", "pp-7b")])
+                                  ("scaling-table", "children")], [("scaling-family", "value", "pp-7b")],
+                    [("scaling-hand", "data", None)])
     fig = got["scaling-comm-dims"]["figure"]
     assert {t["name"]: t["y"] for t in fig["data"]} == {"pp": pytest.approx([20.0]), "dp": pytest.approx([13.0]),
                                                         "tp": pytest.approx([1.0])}

@@ -17,6 +17,7 @@ A reference table on Citus, like ``alerts``; every statement here touches only r
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,16 +72,20 @@ def claim(engine: Engine, sink: str, alert_ids: Iterable[int], me: str, lease_s:
     ids = sorted({int(i) for i in alert_ids})
     if not ids:
         return []
-    values = ", ".join(f"(:a{i}, :sink, :me, now() + make_interval(secs => :lease), now())" for i in range(len(ids)))
+    # the times as parameters, read from the database first: Citus refuses a function that is not
+    # IMMUTABLE (now()) in the DO UPDATE clause of an INSERT on its tables
+    values = ", ".join(f"(:a{i}, :sink, :me, :until, :now)" for i in range(len(ids)))
     params: dict[str, Any] = {f"a{i}": a for i, a in enumerate(ids)}
-    params.update(sink=sink, me=me, lease=float(lease_s))
+    params.update(sink=sink, me=me)
     sql = (f"INSERT INTO alert_deliveries (alert_id, sink, claimed_by, claimed_until, updated_at) VALUES {values} "
            "ON CONFLICT (alert_id, sink) DO UPDATE SET claimed_by = excluded.claimed_by, "
-           "claimed_until = excluded.claimed_until, updated_at = now() "
-           "WHERE (alert_deliveries.claimed_until IS NULL OR alert_deliveries.claimed_until < now() "
+           "claimed_until = excluded.claimed_until, updated_at = excluded.updated_at "
+           "WHERE (alert_deliveries.claimed_until IS NULL OR alert_deliveries.claimed_until < excluded.updated_at "
            "OR alert_deliveries.claimed_by = excluded.claimed_by) "
-           "AND (alert_deliveries.next_at IS NULL OR alert_deliveries.next_at <= now()) RETURNING alert_id")
+           "AND (alert_deliveries.next_at IS NULL OR alert_deliveries.next_at <= excluded.updated_at) RETURNING alert_id")
     with engine.begin() as c:
+        now = c.execute(text("SELECT now()")).scalar()
+        params.update(now=now, until=now + dt.timedelta(seconds=float(lease_s)))
         return sorted(int(r[0]) for r in c.execute(text(sql), params))
 
 

@@ -3,6 +3,7 @@ detections with stored alerts (one transaction; the lifecycle rules are ``server
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -113,13 +114,15 @@ def reconcile(engine: Engine, writes: Iterable[AlertWrite], series: Sequence[str
             params = {"before": w.before, "after": w.after, "change": w.change, "sig": w.significance,
                       "first_bad": w.first_bad_json, "details": w.details_json, "url": w.url, "run_id": w.run_id}
             if key in active_by:
+                # the reopen count and time carried over, merged here: Citus refuses a STABLE function
+                # (jsonb_build_object) over column references in an UPDATE
+                kept = {k: v for k, v in (active_by[key].details or {}).items()
+                        if k in ("reopens", "reopened_at") and v is not None}
                 c.execute(
                     text("UPDATE alerts SET before = :before, after = :after, change = :change, significance = :sig, "
                          "first_bad = CAST(:first_bad AS jsonb), details = CAST(:details AS jsonb) || "
-                         "jsonb_strip_nulls(jsonb_build_object('reopens', details->'reopens', "
-                         "'reopened_at', details->'reopened_at')), url = :url, "
-                         "run_id = :run_id, updated_at = now() WHERE id = :id"),
-                    {**params, "id": active_by[key].id},
+                         "CAST(:kept AS jsonb), url = :url, run_id = :run_id, updated_at = now() WHERE id = :id"),
+                    {**params, "id": active_by[key].id, "kept": json.dumps(kept)},
                 )
                 continue
             r = c.execute(
@@ -132,17 +135,21 @@ def reconcile(engine: Engine, writes: Iterable[AlertWrite], series: Sequence[str
             if r is not None:
                 events.append(("fired", _row(r)))
                 continue
-            # the dedup key is stored: reopen it if it was resolved by recovery (not by hand)
+            # the dedup key is stored: reopen it if it was resolved by recovery (not by hand); the reopen
+            # count read first (Citus: no STABLE function over column references in an UPDATE)
+            prev = c.execute(text("SELECT details->>'reopens' FROM alerts WHERE dedup_key = :dk"),
+                             {"dk": w.dedup_key}).scalar()
+            reopens = (int(prev) if prev is not None and str(prev).isdigit() else 0) + 1
             r = c.execute(
                 text(f"UPDATE alerts SET state = 'firing', resolved_at = NULL, acknowledged_at = NULL, "
                      f"before = :before, after = :after, change = :change, significance = :sig, "
                      f"first_bad = CAST(:first_bad AS jsonb), details = CAST(:details AS jsonb) || jsonb_build_object("
-                     f"'reopens', coalesce(CAST(details->>'reopens' AS integer), 0) + 1, 'reopened_at', now()), "
+                     f"'reopens', CAST(:reopens AS integer), 'reopened_at', now()), "
                      f"url = :url, run_id = :run_id, updated_at = now() "
                      f"WHERE dedup_key = :dk AND state = 'resolved' AND details->'resolution'->>'by' = 'recovery' "
                      f"AND kind NOT IN ('hang', 'node_lost', 'failure') "
                      f"RETURNING {_COLS}"),
-                {**params, "dk": w.dedup_key},
+                {**params, "dk": w.dedup_key, "reopens": reopens},
             ).fetchone()
             if r is not None:
                 events.append(("reopened", _row(r)))

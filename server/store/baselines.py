@@ -15,7 +15,8 @@ def pin(engine: Engine, *, owner_key: str, family: str, signature: str, run_id: 
         c.execute(text(
             "INSERT INTO baselines (owner_key, model_family, config_signature, run_id, pinned_by) "
             "VALUES (:o, :f, :s, :r, :b) ON CONFLICT (owner_key, model_family, config_signature) "
-            "DO UPDATE SET run_id = excluded.run_id, pinned_at = now(), pinned_by = excluded.pinned_by"),
+            # excluded.pinned_at: its default, now() — Citus refuses now() itself in DO UPDATE
+            "DO UPDATE SET run_id = excluded.run_id, pinned_at = excluded.pinned_at, pinned_by = excluded.pinned_by"),
             {"o": owner_key, "f": family, "s": signature, "r": run_id, "b": (by or "")[:128] or None})
 
 

@@ -608,7 +608,7 @@ class _Sink:
             ends = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=self.n.alertmanager_ends_s)).isoformat()
         if run is False:
             return self.n._am_payload(alert, event, ends_at=ends)
-        return alertmanager_alert(alert, event, run=run if run else None, generator_url=self.n.generator_url,
+        return alertmanager_alert(alert, event, run=run if isinstance(run, tuple) else None, generator_url=self.n.generator_url,
                                   ends_at=ends)
 
     def _direct(self, hints: list[tuple[str, dict[str, Any]]]) -> None:

@@ -9,6 +9,7 @@ from fastapi import APIRouter, HTTPException
 from .. import reports
 from ..api_models import BaselineList, BaselinePin, BaselinePinned
 from ..deps import IngestAuth, IngestCaller, State
+from ..errors import error_responses
 from ..ownership import forbidden_detail, owners_for
 from ..reads import ReadState
 
@@ -16,6 +17,7 @@ router = APIRouter(tags=["regressions"])
 
 
 @router.post("/baselines", dependencies=[IngestAuth], response_model=BaselinePinned,
+             responses=error_responses(404),
              summary="Pin a run as the regression baseline of its family and config signature")
 def post_baseline(body: BaselinePin, st: State, who: IngestCaller) -> dict[str, Any]:
     if not owners_for(st.engine).may_write(who, body.run_id):

@@ -84,7 +84,7 @@ def claim(engine: Engine, sink: str, alert_ids: Iterable[int], me: str, lease_s:
            "OR alert_deliveries.claimed_by = excluded.claimed_by) "
            "AND (alert_deliveries.next_at IS NULL OR alert_deliveries.next_at <= excluded.updated_at) RETURNING alert_id")
     with engine.begin() as c:
-        now = c.execute(text("SELECT now()")).scalar()
+        now = c.execute(text("SELECT now()")).scalar_one()
         params.update(now=now, until=now + dt.timedelta(seconds=float(lease_s)))
         return sorted(int(r[0]) for r in c.execute(text(sql), params))
 

@@ -433,34 +433,7 @@ class Client:
         pd = _pandas()
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size!r}")
-        path = f"/api/v1/runs/{int(run_id)}/steps"
-        rows: list[dict[str, Any]] = []
-        fields: list[str] = []
-        after: int | None = None
-        at = _At(None, "GET", path)
-        for _ in range(self.max_pages):
-            params: dict[str, Any] = {"limit": page_size}
-            if after is not None:
-                params["after"] = after
-            page, at = self._get_object(path, params)
-            got = _rows(page, at, "steps")
-            total = _total(page, at)
-            with _interpreting(at, page):
-                f = page.get("fields")
-                if f is not None and not (isinstance(f, list) and all(isinstance(x, str) for x in f)):
-                    raise TypeError(f"'fields' is {_kind(f)}, not a list of names")
-                fields = f or fields
-                fresh = [r for r in got if after is None or int(r["step"]) > after]
-            if got and not fresh:
-                raise at.error(f"the server sent steps up to {after} again for after={after} (it ignores paging?)",
-                               _short.repr(got))
-            rows.extend(fresh)
-            if len(got) < page_size or (total is not None and len(rows) >= total):
-                break
-            with _interpreting(at, page):
-                after = max(int(r["step"]) for r in fresh)
-        else:
-            raise at.error(f"still paging after max_pages={self.max_pages:,} pages ({len(rows):,} steps read)")
+        rows, fields, at = self._cursor_rows(f"/api/v1/runs/{int(run_id)}/steps", page_size, [], "steps")
         with _interpreting(at, None):
             return pd.DataFrame(rows, columns=fields or None)
 
@@ -509,6 +482,14 @@ class Client:
         if max_points is not None:
             page, at = self._get_object(path, {"max_points": max_points})
             return _rows(page, at, "steps"), _fields(page, at) or fields, at
+        return self._cursor_rows(path, page_size, fields, f"steps of rank {rank}")
+
+    def _cursor_rows(self, path: str, page_size: int, fields: list[str],
+                     what: str) -> tuple[list[dict[str, Any]], list[str], _At]:
+        """Every row of a step-paged answer (``/steps``, ``/ranks/{rank}/steps``): pages by the ``after``
+        cursor, each at most ``page_size`` rows (or the smaller ``limit`` the server says it used), until a
+        short page or the server's ``total``; a server that sends the same steps again, or more than
+        ``max_pages`` pages, is an ApiError. Returns (rows, the answer's ``fields``, where)."""
         rows: list[dict[str, Any]] = []
         after: int | None = None
         at = _At(None, "GET", path)
@@ -531,7 +512,7 @@ class Client:
                 return rows, fields, at
             with _interpreting(at, page):
                 after = max(int(r["step"]) for r in fresh)
-        raise at.error(f"still paging after max_pages={self.max_pages:,} pages ({len(rows):,} steps of rank {rank} read)")
+        raise at.error(f"still paging after max_pages={self.max_pages:,} pages ({len(rows):,} {what} read)")
 
     def scalars(self, run_id: int, names: list[str] | None = None, *, max_points: int = 20_000) -> Any:
         """Training scalars in long form: ``name``, ``step``, ``value`` (per step the lowest logging rank;

@@ -7,7 +7,7 @@ growth; no timing assertions)."""
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -139,7 +139,20 @@ def _colls(step: int, rank: int, seqs: range) -> dict[str, list[Any]]:
             "exposed_s": [0.0] * n, "start_ts": [TS0 + step + 0.5 + 1e-6 * i for i in seqs]}
 
 
-def test_collectives_of_one_rank_step_are_refused_beyond_the_cap_and_capped_across_batches(live_server: Any) -> None:
+@pytest.fixture
+def quiet_server(db_url: str) -> Iterator[Any]:
+    """A live server whose background compactor does not run (an hour between passes): only the test's
+    forced passes compact, so which batches one pass sees does not depend on timing (a complete step is
+    folded by the next background pass, which could otherwise land between two of the test's batches)."""
+    from conftest import start_server
+
+    srv = start_server(db_url, compact_interval_s=3600.0)
+    yield srv
+    srv.stop()
+
+
+def test_collectives_of_one_rank_step_are_refused_beyond_the_cap_and_capped_across_batches(quiet_server: Any) -> None:
+    live_server = quiet_server
     eng = live_server.state.engine
     with live_server.client() as c:
         rid = c.register_run({"name": "coll-flood", "world_size": 2})

@@ -62,6 +62,16 @@ def _default_name(job_id: str | None) -> str:
     return script
 
 
+def _with_size(meta: dict[str, Any] | None, params: float | None, active_params: float | None) -> dict[str, Any] | None:
+    """``meta`` with the model size given to ``init`` (``params``, ``active_params``, ``params_source``)."""
+    size: dict[str, Any] = {}
+    if isinstance(params, (int, float)) and params > 0:
+        size.update(params=float(params), params_source="given")
+    if isinstance(active_params, (int, float)) and active_params > 0:
+        size["active_params"] = float(active_params)
+    return {**size, **(meta or {})} if size else meta
+
+
 def init(
     name: str | None = None,
     *,
@@ -78,6 +88,8 @@ def init(
     tags: list[str] | None = None,
     agent_config: AgentConfig | None = None,
     transport: TransportFactory | None = None,
+    params: float | None = None,
+    active_params: float | None = None,
     **agent_settings: Any,
 ) -> Run | NoopRun:
     """Start (or join: all ranks of a job, on every node, land in one run — by the job's own id, else by
@@ -95,6 +107,9 @@ def init(
     ``transport`` is a factory ``(AgentConfig, run_info) -> Transport`` (``protocols.Transport``; tests).
     ``tags`` (with FLEETSCOPE_TAGS, comma-separated) are stored in the run's ``meta.tags`` (at most 64,
     each ≤ 128 characters): filter runs by them (``GET /api/v1/runs?tag=x``, the runs table).
+    ``params`` / ``active_params``: the model's parameters, all and used per token (a mixture of experts
+    activates fewer; default: all), stored in the run's meta (source "given") for per-parameter
+    comparison; without them the agent counts ``sum(p.numel())`` of the model it instruments ("measured").
     Never raises because of the environment (an unusable FLEETSCOPE_* value is reported and ignored,
     see config.py): on an internal error it logs and returns a disabled run.
     """
@@ -115,7 +130,7 @@ def init(
             dtype=dtype,
             start_step=start_step,
             mp_size=mp_size,
-            meta=meta,
+            meta=_with_size(meta, params, active_params),
             tags=tags,
             transport=transport,
         )
@@ -383,6 +398,12 @@ def _install_stop_watch(run: Run, tx: Transport) -> None:
         checkpoint_watch.install(get_run)
     except Exception as e:  # noqa: BLE001
         log.warning("fleetscope: run-stop reporting unavailable (%r)", e)
+    try:
+        from . import device_telemetry
+
+        device_telemetry.install(run, tx)  # the rank's GPU through NVML, on the sender thread
+    except Exception as e:  # noqa: BLE001
+        log.debug("fleetscope: device telemetry unavailable (%r)", e)
 
 
 def _after_fork_in_child() -> None:

@@ -85,6 +85,10 @@ class AgentConfig:
     """While a step is open longer than usual, one ``position`` event per this many seconds (0 = off)."""
     stack_after_s: float = field(default=30.0, metadata=_env("FLEETSCOPE_STACK_AFTER_S"))
     """Positions carry the training thread's Python stack once the step has been open this long."""
+    device_sample_s: float = field(default=1.0, metadata=_env("FLEETSCOPE_DEVICE_SAMPLE_S"))
+    """Device telemetry (NVML, on the sender thread): sample the rank's GPU at most this often (0 = off)."""
+    device_window_s: float = field(default=30.0, metadata=_env("FLEETSCOPE_DEVICE_WINDOW_S"))
+    """Device telemetry: one aggregated ``device`` event per this many seconds (min/mean/max, reasons)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -119,12 +119,18 @@ def _kubernetes_job(env: Any) -> str | None:
     """The Kubeflow training operator's job name, inside a Kubernetes pod: PyTorchJob (v1) sets
     ``MASTER_ADDR``/``PET_MASTER_ADDR`` = ``<job>-master-0`` (an elastic job ``PET_RDZV_ENDPOINT`` =
     ``<job>-worker-0:<port>``); a TrainJob (v2, JobSet) sets ``PET_MASTER_ADDR`` =
-    ``<job>-<replicated job>-0-0.<job>``. ``PET_RDZV_ID`` (an elastic policy's ``rdzvId``) first."""
+    ``<job>-<replicated job>-0-0.<job>``; a plain JobSet's pods reach their leader by the same address
+    (``MASTER_ADDR``), and ``JOBSET_NAME`` (the JobSet's name, which its examples pass through the
+    downward API from the ``jobset.sigs.k8s.io/jobset-name`` annotation) names it outright.
+    ``PET_RDZV_ID`` (an elastic policy's ``rdzvId``) first."""
     rdzv = _clean(env.get("PET_RDZV_ID"))
     if rdzv is not None:
         return rdzv
     if not env.get("KUBERNETES_SERVICE_HOST"):
         return None
+    named = _clean(env.get("JOBSET_NAME"))
+    if named is not None:
+        return named
     for var in ("PET_MASTER_ADDR", "MASTER_ADDR"):
         addr = str(env.get(var) or "").strip()
         host, _, domain = addr.partition(".")

@@ -432,12 +432,16 @@ class StepMachine:
             self._flop_meter = FlopMeter()
             self._flop_meter.defer(probe)
             return
-        meter = self._flop_meter = FlopMeter()
+        meter = self._flop_meter = FlopMeter(memory_emit=self._memory_modules_event)
         try:
             meter.start(modules=not self._flop_plain)
         except Exception as e:  # noqa: BLE001 - no torch / no FlopCounterMode: no measurement
             self._error("flops", e)
             self._flop_watch = False
+
+    def _memory_modules_event(self, data: dict[str, Any]) -> None:
+        """The per-module memory measured with the FLOPs (memory_modules.py): one event per rank."""
+        self._event("memory_modules", None, data)
 
     def _flops_stop(self) -> None:
         meter = self._flop_meter

@@ -33,6 +33,7 @@ __all__ = [
     "flop_rates",
     "dtype_name",
     "detect_dtype",
+    "count_params",
     "env_peak_flops",
     "model_parallel_degree",
     "measure_uncompiled",
@@ -255,8 +256,11 @@ class FlopMeter:
     internals changed): the total is still counted.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, memory_emit: Any = None) -> None:
         self._mode: Any = None
+        #: receives the ``memory_modules`` event (memory_modules.py), measured alongside; None: not measured
+        self.memory_emit = memory_emit
+        self.memory: Any = None  # the ModuleMemoryMeter of this measurement
         self.flops: int | None = None
         self.forward: int | None = None
         self.backward: int | None = None
@@ -281,6 +285,21 @@ class FlopMeter:
         self.modules = modules
         mode.__enter__()
         self._mode = mode
+        if modules and self.memory_emit is not None:
+            self._start_memory(mode)
+
+    def _start_memory(self, mode: Any) -> None:
+        """Per-module memory on the same step (memory_modules.py); its failure leaves the FLOPs alone."""
+        try:
+            from .memory_modules import ModuleMemoryMeter, meter_enabled
+
+            if not meter_enabled():
+                return
+            mm = self.memory = ModuleMemoryMeter(self.memory_emit)
+            mm.start()
+            mode.on_fwd = mm.add_flops
+        except Exception:  # noqa: BLE001 - best effort, never into the training step
+            self.memory = None
 
     def defer(self, probe: tuple[Any, Any, Any]) -> None:
         """Measure a compiled model at ``stop``: ``probe`` = (module, args, kwargs) of the step's first
@@ -292,6 +311,9 @@ class FlopMeter:
 
     def cancel(self) -> None:
         """Stop without measuring (the step was dropped)."""
+        if self.memory is not None:
+            self.memory.cancel()
+            self.memory = None
         if self._mode is _DEFERRED:
             self._mode = self._probe = None
         elif self._mode is not None:
@@ -324,6 +346,9 @@ class FlopMeter:
                 self.forward, self.backward, self.recompute = fwd * n, bwd * n, rec * n
             return self.flops
         mode.__exit__(None, None, None)
+        if self.memory is not None:
+            mode.on_fwd = None
+            self.memory.stop()
         self.flops = int(mode.get_total_flops())
         self.local = bool(getattr(mode, "local", False))
         self.dtensor_ops = int(getattr(mode, "dtensor_ops", 0))
@@ -357,6 +382,7 @@ def _split_counter_class() -> Any:
             self.local = False
             self.dtensor_ops = 0
             self.count_fake = False  # FakeTensor ops run nowhere: counted only when measuring on fakes
+            self.on_fwd: Any = None  # forward FLOPs callback (per-module attribution: memory_modules.py)
 
         def __exit__(self, *args: Any) -> Any:
             if not getattr(self, "no_modules", False):
@@ -418,6 +444,8 @@ def _split_counter_class() -> Any:
                 elif n:
                     if task_id() == -1:
                         self.fwd += n
+                        if self.on_fwd is not None:
+                            self.on_fwd(n)
                     elif grad_on():  # a forward re-run inside backward: activation checkpointing
                         self.rec += n
                     else:
@@ -541,6 +569,28 @@ def flop_rates(total: float, recompute: float | None, tokens: int | None, padded
 
 
 # --- a compiled model's FLOPs: its uncompiled module, once, on fake tensors ------------------------
+def count_params(model: Any) -> int | None:
+    """``sum(p.numel())`` of the model's parameters, whole-model sizes where it is sharded (a DTensor's
+    global numel; FSDP's flat parameter: its unsharded size); None without parameters. Never raises."""
+    try:
+        m = _unwrap(model)
+        if not hasattr(m, "parameters"):
+            return None
+        n = 0
+        for p in m.parameters():
+            full = getattr(p, "_unpadded_unsharded_size", None)  # FSDP1 FlatParameter
+            if full is not None:
+                k = 1
+                for d in full:
+                    k *= int(d)
+                n += k
+            else:
+                n += int(p.numel())
+        return n or None
+    except Exception:  # noqa: BLE001 - counting is best effort
+        return None
+
+
 def _unwrap(model: Any) -> Any:
     """The eager module under ``torch.compile`` and DDP wrappers."""
     for _ in range(8):

@@ -155,10 +155,32 @@ class Run(StepMachine):
 
             loader = instrument(self, model=model, optimizer=optimizer, dataloader=dataloader, counts=counts)
             self._arm_flop_probe(model)  # a compiled model's FLOPs: from its inputs, once (machine.py)
+            self._note_params(model)
             return loader
         except Exception as e:  # noqa: BLE001
             self._error("instrument", e)
             return dataloader
+
+    def _note_params(self, model: Any) -> None:
+        """The model's parameter count (``mfu.count_params``) into the run's meta, unless ``init`` was given
+        one: ``params`` (and ``active_params`` = params: a dense model as far as the agent can see). Never raises."""
+        try:
+            meta = self.info.get("meta") or {}
+            if model is None or meta.get("params"):
+                return
+            from .mfu import count_params
+
+            n = count_params(model)
+            if not n:
+                return
+            items = {"params": float(n), "active_params": float(meta.get("active_params") or n),
+                     "params_source": "measured"}
+            self.info["meta"] = {**meta, **items}
+            update = getattr(self._tx, "update_run_meta", None)
+            if update is not None:
+                update(**items)
+        except Exception:  # noqa: BLE001 - the job never fails for the agent
+            pass
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
         """Record training scalars (loss, learning rate, grad norm, any metric) of ``step`` (None: the
@@ -241,6 +263,12 @@ class Run(StepMachine):
         except Exception as e:  # noqa: BLE001
             self._error("finish", e)
         self._unhook()
+        try:
+            from .device_telemetry import flush_window
+
+            flush_window(self)  # the device window still open (device_telemetry.py)
+        except Exception as e:  # noqa: BLE001
+            self._error("finish", e)
         try:
             self._tx.finish_run(status)
         except Exception as e:  # noqa: BLE001

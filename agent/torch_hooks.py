@@ -21,7 +21,9 @@ No change inside the training loop. What each hook marks (``run.py`` holds the s
   counting) begins when the closure returns, so it times the optimizer's own update only.
 * DDP: the gradient all-reduce runs in the C++ reducer; a comm hook (``collectives.ddp_allreduce_hook``,
   the default all-reduce plus timing) makes the buckets visible. Skipped, with a log line, when the
-  model already has a comm hook (the user's own, or DDP's mixed-precision hook).
+  model already has a comm hook (the user's own, or DDP's mixed-precision hook). Its bucket settings and
+  largest gradient tensor (FSDP2: its units' sizes) are sent once as a ``ddp`` / ``fsdp`` run event
+  (``parallel_facts.py``): the server's bucket advice is checked against them.
 * FLOPs: measured once by ``FlopCounterMode`` from the first step's forward to its optimizer update
   (every micro-batch of the step, a closure's included).
 """
@@ -32,6 +34,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from . import parallel_facts
 from .machine import StepMachine
 from .mfu import is_compiled, note_compile
 from .step_end import end
@@ -352,6 +355,7 @@ def _instrument_model(run: StepMachine, model: Any) -> list[Any]:
 
     handles = [model.register_forward_pre_hook(pre, prepend=True), model.register_forward_hook(post)]
     _maybe_ddp_hook(model)
+    parallel_facts.report(run, model)  # DDP's buckets / FSDP's units, once: what the advice checks against
     return handles
 
 

@@ -190,6 +190,18 @@ class Transport:
 
     # -- flush / close / stats ------------------------------------------------------------------------
 
+    def update_run_meta(self, **items: Any) -> None:
+        """Add ``items`` to the run's meta (keys it already has are kept): the next delivery registers the
+        changed run info again, and the server merges the new keys into the run's meta. Never raises."""
+        try:
+            meta = self._run_info.get("meta")
+            meta = dict(meta) if isinstance(meta, dict) else {}
+            new = {k: v for k, v in _plain(items).items() if k not in meta}
+            if new:
+                self._run_info["meta"] = {**meta, **new}  # one assignment: the sender never sees it half-made
+        except Exception:  # noqa: BLE001
+            pass
+
     def flush(self, timeout: float | None = None) -> bool:
         """Hand off everything queued so far (sent, spooled, or counted as dropped); False on timeout."""
         try:

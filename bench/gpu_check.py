@@ -69,6 +69,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 TOKEN = "gpu-check-token"
@@ -1152,6 +1153,135 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _nvidia_smi(index: int) -> dict[str, float] | None:
+    """nvidia-smi's own reading of one GPU (the reference NVML figures are judged against), or None."""
+    import subprocess
+
+    q = "clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,memory.used"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader,nounits", "-i", str(index)],
+                             capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    vals = [v.strip() for v in out.split(",")]
+    keys = ("sm_clock_mhz", "mem_clock_mhz", "power_w", "power_limit_w", "temp_c", "mem_used_mib")
+    try:
+        return {k: float(v) for k, v in zip(keys, vals, strict=True)}
+    except ValueError:
+        return None
+
+
+def check_nvml(ctx: Context) -> dict[str, Any] | str:
+    """11: device telemetry (agent/device_telemetry.py) on real NVML: figures plausible against nvidia-smi,
+    ``device`` events from a training loop with 0 synchronisations added, the cost of one sample."""
+    from fleetscope.agent import device_telemetry as dt
+
+    torch = ctx.torch
+    detail: dict[str, Any] = {}
+    fake = None
+    if ctx.cuda:
+        try:
+            import pynvml  # type: ignore[import-not-found, import-untyped, unused-ignore]
+        except ImportError:
+            return "pynvml not installed (pip install 'fleetscope[nvml]', i.e. nvidia-ml-py)"
+        nvml: Any = pynvml
+    else:  # the plumbing on CPU: the fake provider through the same reader and sampler
+        fake = Path(ctx.spool) / "nvml.json"
+        fake.write_text(json.dumps({"default": [{"t": 0, "sm_clock_mhz": 1980, "mem_clock_mhz": 2619, "power_w": 500,
+                                                 "power_limit_w": 700, "temp_c": 60, "util": 0.9,
+                                                 "mem_used_bytes": 1 << 30, "throttle": ["power"]}]}))
+        nvml = dt.FakeNvml.from_file(str(fake))
+    reader = dt.NvmlReader(nvml, 0)
+    # a busy GPU while reading, so that clocks and power are those of a running job
+    n = 4096 if ctx.cuda else 128
+    a = torch.randn(n, n, device=ctx.device)
+    for _ in range(20):
+        torch.mm(a, a)
+    sample = reader.sample()
+    smi = _nvidia_smi(0) if ctx.cuda else None
+    ctx.sync()
+    detail["nvml"] = sample.figures
+    detail["throttle"] = dt.reason_names(sample.mask)
+    detail["nvidia_smi"] = smi
+    cost = []
+    for _ in range(200):
+        t0 = time.perf_counter_ns()
+        reader.sample()
+        reader.xids()
+        cost.append(time.perf_counter_ns() - t0)
+    detail["sample_us_median"] = statistics.median(cost) / 1e3
+    detail["sample_us_p99"] = sorted(cost)[int(0.99 * len(cost)) - 1] / 1e3
+    detail["unsupported_calls"] = sorted(reader._off)
+    for k in ("sm_clock_mhz", "power_w", "power_limit_w", "temp_c", "util", "mem_used_bytes"):
+        need(k in sample.figures, f"NVML gave no {k} (unsupported: {sorted(reader._off)})")
+    if ctx.cuda:
+        need(smi is not None, "nvidia-smi did not answer")
+        assert smi is not None
+        f = sample.figures
+        need(abs(f["power_limit_w"] - smi["power_limit_w"]) <= 2, f"power limit {f['power_limit_w']} vs {smi['power_limit_w']}")
+        need(abs(f["temp_c"] - smi["temp_c"]) <= 5, f"temperature {f['temp_c']} vs {smi['temp_c']}")
+        need(0.5 < f["sm_clock_mhz"] / max(smi["sm_clock_mhz"], 1) < 2, f"SM clock {f['sm_clock_mhz']} vs {smi['sm_clock_mhz']}")
+        need(abs(f["mem_used_bytes"] / 2**20 - smi["mem_used_mib"]) <= max(512, 0.1 * smi["mem_used_mib"]),
+             f"memory used {f['mem_used_bytes'] / 2**20:.0f} MiB vs {smi['mem_used_mib']:.0f} MiB")
+        need(0 < f["power_w"] <= 1.2 * f["power_limit_w"], f"power {f['power_w']} W with a {f['power_limit_w']} W cap")
+
+    # the agent: a training loop, the sampler on its sender thread every 0.1 s, 1 s windows; syncs counted
+    if fake is not None:
+        os.environ["FLEETSCOPE_FAKE_NVML"] = str(fake)
+    model = torch.nn.Linear(2048 if ctx.cuda else 64, 2048 if ctx.cuda else 64).to(ctx.device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(512, model.in_features, device=ctx.device)
+
+    def body() -> None:
+        for _ in range(20 if ctx.cuda else 1):
+            model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    body()
+    ctx.sync()
+    baseline = 0
+    if ctx.cuda:
+        with SyncCounter(torch) as plain:
+            for _ in range(30):
+                body()
+        ctx.sync()
+        baseline = plain.total
+    try:
+        run = ctx.init("nvml", device_sample_s=0.1, device_window_s=1.0, flush_interval_s=0.1)
+        counter = SyncCounter(torch) if ctx.cuda else contextlib.nullcontext()
+        t_end = time.monotonic() + 3.0
+        steps = 0
+        with counter:
+            while time.monotonic() < t_end or steps < 30:
+                with run.step():
+                    body()
+                steps += 1
+        ctx.sync()
+        got = ctx.finish(run)
+    finally:
+        os.environ.pop("FLEETSCOPE_FAKE_NVML", None)
+    devs = [e for e in got["events"] if e.get("kind") == "device"]
+    n_samples = sum(int(e["data"]["samples"]) for e in devs)
+    # windows last max(1 s, 100 median steps): at least the one closed at finish, holding every sample
+    need(len(devs) >= 1 and n_samples >= 5, f"{len(devs)} device events, {n_samples} samples over {steps} steps")
+    last = devs[-1]["data"]
+    detail.update(steps=steps, device_events=len(devs), samples=n_samples, last_window=last)
+    need(last.get("sm_clock_mhz", {}).get("max", 0) > 0 and last.get("power_w", {}).get("max", 0) > 0,
+         f"a window without clocks or power: {last}")
+    if ctx.cuda:
+        added = counter.total - baseline  # type: ignore[union-attr]
+        detail["syncs_added"] = added
+        need(added == 0, f"device telemetry added {added} synchronisations: {counter.calls}")  # type: ignore[union-attr]
+        detail["summary"] = (f"NVML vs nvidia-smi: SM {sample.figures['sm_clock_mhz']:.0f}/{smi['sm_clock_mhz']:.0f} MHz, "
+                             f"{sample.figures['power_w']:.0f}/{smi['power_w']:.0f} W of {smi['power_limit_w']:.0f} W, "
+                             f"{sample.figures['temp_c']:.0f}/{smi['temp_c']:.0f} °C; {len(devs)} device windows over "
+                             f"{steps} steps, 0 syncs added; {detail['sample_us_median']:.0f} µs per sample")
+    else:
+        detail["summary"] = f"plumbing ok on cpu (fake NVML): {len(devs)} device windows, {detail['sample_us_median']:.0f} µs/sample"
+    return detail
+
+
 CHECKS: list[tuple[str, Callable[[Context], Any]]] = [
     ("cuda_step_timing", check_step_timing),
     ("memory", check_memory),
@@ -1163,6 +1293,7 @@ CHECKS: list[tuple[str, Callable[[Context], Any]]] = [
     ("fsdp2", check_fsdp2),
     ("zero_code", check_zero_code),
     ("framework_scalars", check_framework_scalars),
+    ("nvml", check_nvml),
 ]
 
 

@@ -52,9 +52,11 @@ def build_dash() -> Any:
             run,
             runs_table,
             scaling,
+            utilisation,
         )
 
-        for mod in (fleet, runs_table, run, scaling, compare, regressions, benchmarks, cluster, not_found_404):
+        for mod in (fleet, runs_table, run, scaling, compare, regressions, benchmarks, cluster, utilisation,
+                    not_found_404):
             entry = dash.page_registry.get(mod.__name__)
             if entry is not None and not entry.get("supplied_layout"):
                 # what Dash does for modules it imports from a pages folder itself; a layout that fails (data

@@ -14,6 +14,7 @@ from dash.exceptions import PreventUpdate
 from .figures import failed_figure, reason
 
 __all__ = [
+    "mfu_kpi",
     "navbar",
     "page_header",
     "kpi",
@@ -42,7 +43,7 @@ def md_escape(text: object) -> str:
     return "".join("\\" + ch if ch in _MD_SPECIAL else ch for ch in str(text).replace("\n", " "))
 
 NAV = (("Fleet", "/"), ("Runs table", "/runs-table"), ("Scaling", "/scaling"), ("Compare", "/compare"), ("Regressions", "/regressions"),
-       ("Cluster", "/cluster"), ("Benchmarks", "/benchmarks"))
+       ("Cluster", "/cluster"), ("Utilisation", "/utilisation"), ("Benchmarks", "/benchmarks"))
 
 #: clientside: write the page's state into the URL query without a navigation (history.replaceState),
 #: so a copied link reproduces the view; takes a list of [key, value] pairs as the first argument
@@ -94,6 +95,23 @@ def kpi(label: str, value: str, sub: str | None = None, *, tone: str | None = No
         className="fs-kpi" + (f" fs-kpi-{tone}" if tone else ""),
         **({"id": kid} if kid else {}),
     )
+
+
+def mfu_kpi(summary: dict[str, Any]) -> html.Div:
+    """The MFU tile, honest about why there is no figure: flagged (implausible), no peak FLOP/s known for the
+    device (CPU, an unknown part: MFU needs a peak), FLOPs not measured, or the figure with its source."""
+    from .theme import fmt_pct
+
+    if summary.get("mfu_flag"):
+        return kpi("MFU", "flagged", summary["mfu_flag"], tone="bad", kid="run-mfu")
+    run = summary.get("run") or {}
+    if summary.get("mfu") is None:
+        if not run.get("peak_flops"):
+            dev = run.get("device_type")
+            return kpi("MFU", "n/a", "no peak for this device" + (f" ({dev})" if dev else ""), kid="run-mfu")
+        return kpi("MFU", "n/a", "FLOPs not measured", kid="run-mfu")
+    return kpi("MFU", fmt_pct(summary.get("mfu")),
+               "estimated" if summary.get("mfu_estimated") else (summary.get("flops_source") or ""), kid="run-mfu")
 
 
 def kpi_strip(items: Sequence[html.Div], kid: str | None = None) -> html.Div:

@@ -21,7 +21,16 @@ from typing import Any
 
 import numpy as np
 
-from .theme import COMPONENT_COLORS, COMPONENT_LABELS, FONT, SERIES_COLORS, fmt_bytes, time_unit, to_utc
+from .theme import (
+    COMPONENT_COLORS,
+    COMPONENT_LABELS,
+    FONT,
+    SERIES_COLORS,
+    fmt_bytes,
+    fmt_s,
+    time_unit,
+    to_utc,
+)
 
 __all__ = [
     "plain",
@@ -31,6 +40,8 @@ __all__ = [
     "empty_figure",
     "decomposition_figure",
     "heatmap_figure",
+    "steady_colour_range",
+    "basis_text",
     "slowdown_figure",
     "rank_drill_figure",
     "collectives_figure",
@@ -211,13 +222,50 @@ def decomposition_figure(series: dict[str, Any]) -> Fig:
                                             y=_axis(title=f"time per step ({unit})", rangemode="tozero"))}
 
 
+def basis_text(basis: dict[str, Any] | None) -> str | None:
+    """The steady-state basis in words: "28 of 30 steps; 2 warm-up steps, 11.50 s, set apart" (None without one)."""
+    if not basis or not basis.get("of"):
+        return None
+    parts = []
+    for x in basis.get("set_apart") or []:
+        n = int(x.get("n") or len(x.get("steps") or []))
+        name = "outlier" if x["reason"] == "outlier" else f"{x['reason']} step"
+        parts.append(f"{n:,} {name}{'s' if n != 1 else ''}, {fmt_s(x.get('seconds'))},")
+    if not parts:
+        return f"all {basis['of']:,} steps" + ("" if not basis.get("fallback") else f" ({basis['fallback']})")
+    return f"{basis['steps']:,} of {basis['of']:,} steps; " + " and ".join(parts) + " set apart"
+
+
+def steady_colour_range(z: np.ndarray, step_lo: np.ndarray, step_hi: np.ndarray,
+                        set_apart: Sequence[int]) -> tuple[float, float] | None:
+    """(min, max) of the heatmap's cells whose steps hold no set-apart step (compile, warm-up, ...: the
+    summary's ``basis``), so those steps cannot swamp the colour scale; None when nothing is set apart
+    or no other cell has a value."""
+    if not len(set_apart) or not z.size:
+        return None
+    apart = np.sort(np.asarray(list(set_apart), dtype=np.int64))
+    lo, hi = np.asarray(step_lo, dtype=np.int64), np.asarray(step_hi, dtype=np.int64)
+    # a column [lo, hi] holds a set-apart step when the first one ≥ lo is ≤ hi
+    i = np.searchsorted(apart, lo)
+    holds = (i < apart.size) & (apart[np.minimum(i, apart.size - 1)] <= hi)
+    if not holds.any() or holds.all():
+        return None
+    steady = z[:, ~holds]
+    steady = steady[np.isfinite(steady)]
+    return (float(steady.min()), float(steady.max())) if steady.size else None
+
+
 @guarded
-def heatmap_figure(hm: dict[str, Any] | None) -> Fig:
-    """Ranks × steps heatmap; says how many steps and ranks each cell aggregates and how."""
+def heatmap_figure(hm: dict[str, Any] | None, set_apart: Sequence[int] = ()) -> Fig:
+    """Ranks × steps heatmap; says how many steps and ranks each cell aggregates and how. The colour
+    range is the steady steps' when ``set_apart`` steps (the summary's basis) would swamp it."""
     if not hm or hm["values"].size == 0:
         return empty_figure("No per-rank records yet: the heatmap fills in as steps are compacted.")
     z = np.asarray(hm["values"], dtype=np.float64)
-    mult, unit = time_unit(z[~np.isnan(z)][:: max(1, z.size // 5000)].tolist())
+    rng = steady_colour_range(z, np.asarray(hm["step_lo"]), np.asarray(hm["step_hi"]), set_apart)
+    if rng is not None and np.nanmax(z) <= rng[1]:
+        rng = None  # the set-apart steps are within the steady range: nothing to clip
+    mult, unit = time_unit(z[~np.isnan(z)][:: max(1, z.size // 5000)].tolist() if rng is None else list(rng))
     rf, sf = hm["rank_factor"], hm["step_factor"]
     y = np.asarray(hm["rank_lo"])
     where = "step %{x}" + (f" (+{sf - 1})" if sf > 1 else "") + " · rank %{y}" + (f" (+{rf - 1})" if rf > 1 else "")
@@ -226,6 +274,8 @@ def heatmap_figure(hm: dict[str, Any] | None) -> Fig:
              "hovertemplate": f"{where}<br>{plain(hm['how'], template=True) + ' ' if (rf > 1 or sf > 1) else ''}%{{z:.3g}} {unit}"
                               "<extra></extra>",
              "hoverongaps": False}
+    if rng is not None:
+        trace.update(zmin=rng[0] * mult, zmax=rng[1] * mult, zauto=False)
     if rf > 1 or sf > 1:
         note = (f"aggregated server-side: {hm['how']} of {sf} step{'s' if sf > 1 else ''} × {rf} rank{'s' if rf > 1 else ''} "
                 f"per cell ({hm['n_ranks']:,} ranks × {hm['n_steps']:,} steps → {len(y)} × {z.shape[1]})")
@@ -233,6 +283,8 @@ def heatmap_figure(hm: dict[str, Any] | None) -> Fig:
         note = f"every rank and step ({hm['n_ranks']:,} × {hm['n_steps']:,})"
     if hm.get("sampled_every_steps", 1) > 1:
         note += f"; a sample: every {hm['sampled_every_steps']}th step of a run too large to hold whole"
+    if rng is not None:
+        note += "; colour range of the steady steps: set-apart (compile, warm-up …) steps above it are drawn at its top"
     lay = _layout(f"Per-rank {hm['label']}", height=max(260, min(520, 120 + 3 * len(y))), legend=False, note=note,
                   hovermode="closest", x=_axis(title="step", showgrid=False),
                   y=_axis(title="rank" + (f" (groups of {rf})" if rf > 1 else ""), autorange="reversed", showgrid=False))
@@ -364,7 +416,7 @@ def collectives_figure(rows: Sequence[dict[str, Any]]) -> Fig:
             "marker": {"size": [6 + 18 * (r["total_s"] / tmax) ** 0.5 for r in rs]},
             "text": [f"n={r['group_size']} · {r['calls']:,} calls · {r['total_s']:.2f} s total"
                      + (f" · {r['efficiency'] * 100:.0f} % of link peak" if r.get("efficiency") else "") for r in rs],
-            "hovertemplate": "%{x:.3s}B: %{y:.1f} GB/s<br>%{text}<extra>" + plain(op, template=True) + "</extra>",
+            "hovertemplate": "%{x:.3s}B: %{y:.3g} GB/s<br>%{text}<extra>" + plain(op, template=True) + "</extra>",
         })
     note = "busbw as NCCL-tests; size = ⌊log2 bytes per call⌋ bucket; marker area ∝ time spent"
     return {"data": data, "layout": _layout(

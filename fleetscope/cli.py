@@ -401,11 +401,12 @@ def delete_run(
 def _register_part_commands() -> None:
     from .analysis_cli import baseline_app, bench, check, detect
     from .launcher import run as launch_run
+    from .projection_cli import project
     from .simulate import simulate
     from .traces.cli import import_trace
 
     for name, fn in (("simulate", simulate), ("import-trace", import_trace), ("detect", detect), ("check", check),
-                     ("bench", bench)):
+                     ("bench", bench), ("project", project)):
         app.command(name)(fn)
     app.add_typer(baseline_app, name="baseline")
     # `fleetscope run [OPTIONS] -- COMMAND ...`: everything after -- is COMMAND's, options included

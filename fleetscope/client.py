@@ -554,6 +554,59 @@ class Client:
     def summary(self, run_id: int) -> dict[str, Any]:
         return self._get_object(f"/api/v1/runs/{int(run_id)}/summary")[0]
 
+    def compare(self, run_ids: list[int]) -> dict[str, Any]:
+        """``GET /api/v1/compare``: the runs side by side in normalised units — per GPU, per (active)
+        parameter, per sample and per modality — with figures relative to the first run."""
+        return self._get_object("/api/v1/compare", {"runs": ",".join(str(int(i)) for i in run_ids)})[0]
+
+    def projection(self, run_id: int, *, world_size: int, tp: int | None = None, pp: int | None = None,
+                   micro_batches: int | None = None, bucket_bytes: int | None = None,
+                   batch: str | None = None) -> dict[str, Any]:
+        """``GET /api/v1/runs/{id}/projection``: the run's step, MFU, tokens/s and parts projected to another
+        layout (estimated, with an error band and its basis; ``status: "insufficient_data"`` and ``missing``
+        when the run's measurements cannot support it)."""
+        params = {k: v for k, v in (("world_size", world_size), ("tp", tp), ("pp", pp), ("micro_batches", micro_batches),
+                                    ("bucket_bytes", bucket_bytes), ("batch", batch)) if v is not None}
+        return self._get_object(f"/api/v1/runs/{int(run_id)}/projection", params)[0]
+
+    def projection_track_record(self, family: str) -> dict[str, Any]:
+        """``GET /api/v1/projections/track_record``: the family's projections against the runs that followed."""
+        return self._get_object("/api/v1/projections/track_record", {"family": family})[0]
+
+    def memory(self, run_id: int, *, target_bytes: int | None = None) -> dict[str, Any]:
+        """``GET /api/v1/runs/{id}/memory``: the summary's ``memory`` section plus memory per module
+        (``modules``), the peak's parts (``breakdown``), imbalance across ranks and ``checkpoint_advice``
+        towards ``target_bytes`` (default: the server's, see docs/api.md "Memory")."""
+        params = {"target_bytes": int(target_bytes)} if target_bytes is not None else None
+        return self._get_object(f"/api/v1/runs/{int(run_id)}/memory", params)[0]
+
+    def devices(self, run_id: int) -> Any:
+        """GPU telemetry per rank (``GET /api/v1/runs/{id}/devices``) as a DataFrame, one row per rank: ``rank``,
+        ``node``, clocks, power, temperature, ``throttled``, ``reason``, ``throttled_share``, ``xid``, ``ecc_errors`` …
+        (empty for a run without telemetry)."""
+        pd = _pandas()
+        body, at = self._get_object(f"/api/v1/runs/{int(run_id)}/devices")
+        rows = _rows(body, at, "ranks", required=False)
+        with _interpreting(at, None):
+            return pd.DataFrame(rows)
+
+    def utilisation(self, since: str | float | None = None, until: str | float | None = None,
+                    by: str = "team") -> Any:
+        """Fleet utilisation (``GET /api/v1/fleet/utilisation``) as a DataFrame, one row per group of ``by``
+        (``team``, ``family`` or ``day``; the day's column is ``date``): ``gpu_hours``, ``busy_gpu_hours``,
+        ``idle_gpu_hours``, ``idle_share``, ``failed_gpu_hours``, ``redone_gpu_hours``, ``mfu_gpu_hours``, ``mfu``,
+        ``mfu_unknown_gpu_hours``, ``runs``. ``since``/``until``: Unix seconds or ISO 8601 (default: the last 7
+        days). The window's totals are in ``df.attrs["total"]``."""
+        pd = _pandas()
+        params = {"by": by, **({"since": since} if since is not None else {}),
+                  **({"until": until} if until is not None else {})}
+        body, at = self._get_object("/api/v1/fleet/utilisation", params)
+        rows = _rows(body, at, by, required=False)
+        with _interpreting(at, None):
+            df = pd.DataFrame(rows)
+            df.attrs["total"] = body.get("total")
+            return df
+
     def get(self, path: str, **params: Any) -> Any:
         """The JSON answer of ``GET path`` with these parameters (any JSON value)."""
         return self._get(path, params)[0]

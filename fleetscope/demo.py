@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 from fleetscope.server.settings import Settings
 
-from .synthetic import RunSpec, collective_rows, rank_step_rows
+from .synthetic import RunSpec, collective_rows, memory_event, parallel_facts, rank_step_rows
 
 __all__ = ["run_demo", "fleet_history", "load_history"]
 
@@ -18,31 +19,40 @@ log = logging.getLogger(__name__)
 DAY = 86400.0
 
 
-def fleet_history(*, small: bool = False, now: float = 1.7646e9) -> list[RunSpec]:
-    """The demo fleet: several families and cluster sizes over weeks, with one regression at a known
-    commit, one straggler node and one comm-bound configuration. Names are fixed: re-loading is idempotent."""
+#: the smallest world size a family's demo runs use: llm-70b's sharded states (16 bytes a parameter, 1.1 TB)
+#: must leave room for activations on an 80 GB device
+MIN_WORLD = {"llm-70b": 32}
+
+
+def fleet_history(*, small: bool = False, now: float | None = None) -> list[RunSpec]:
+    """The demo fleet: several families and cluster sizes over three weeks ending ``now`` (default: the
+    current time), with one regression at a known commit, one straggler node and one comm-bound
+    configuration. Every run uses the realistic model (``RunSpec.realistic``: each family's own
+    parallelism, memory and collectives). Names are fixed: re-loading is idempotent."""
+    now = time.time() if now is None else now
     specs: list[RunSpec] = []
     sizes = [8, 16, 32, 64] if small else [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
     steps = 12 if small else 30
     t0 = now - 21 * DAY
     for fi, fam in enumerate(["vla-7b", "llm-70b", "vit-h", "video-dit-3b"]):
         for si, n in enumerate(sizes):
-            if n > 1024 and fam != "llm-70b":
+            if (n > 1024 and fam != "llm-70b") or n < MIN_WORLD.get(fam, 1):
                 continue
             specs.append(RunSpec(name=f"{fam}-scale-{n}", family=fam, world_size=n, steps=steps, seed=fi * 100 + si,
-                                 start_ts=t0 + (fi * len(sizes) + si) * 3600))
-    # nightly runs of vla-7b at 64 GPUs: a regression lands at commit c0de0010 (day 10)
+                                 start_ts=t0 + (fi * len(sizes) + si) * 3600, realistic=True))
+    # nightly runs of vla-7b at 64 GPUs, the last one started two hours ago: a regression lands at commit
+    # c0de0010 (night 10) and is never fixed, so `fleetscope check` fails on every later night
     nightly = 8 if small else 21
     for d in range(nightly):
         specs.append(RunSpec(name=f"vla-7b-nightly-{d:02d}", family="vla-7b", world_size=32 if small else 64,
-                             steps=steps, seed=1000 + d, start_ts=t0 + d * DAY,
-                             slow_factor=1.18 if d >= nightly // 2 else 1.0))
+                             steps=steps, seed=1000 + d, start_ts=now - (nightly - 1 - d) * DAY - 2 * 3600,
+                             slow_factor=1.18 if d >= nightly // 2 else 1.0, realistic=True))
     # a run with a straggler node (all 8 ranks of node 1 are slow)
     n = 32 if small else 256
     specs.append(RunSpec(name="llm-70b-straggler-node", family="llm-70b", world_size=n, steps=steps, seed=7,
-                         straggler={r: 1.3 for r in range(8, 16)}, start_ts=now - 2 * DAY))
+                         straggler={r: 1.3 for r in range(8, 16)}, start_ts=now - 5 * 3600, realistic=True))
     specs.append(RunSpec(name="video-dit-3b-comm-bound", family="video-dit-3b", world_size=n, steps=steps, seed=8,
-                         comm_bound=True, start_ts=now - DAY))
+                         comm_bound=True, start_ts=now - 4 * 3600, realistic=True))
     return specs
 
 
@@ -51,6 +61,37 @@ def commit_of(spec: RunSpec, nightly: int) -> str | None:
         return None
     d = int(spec.name.rsplit("-", 1)[1])
     return f"c0de{d:04d}"
+
+
+class PeakMemory:
+    """Each rank's largest peak allocated and reserved memory over the steps seen (``add``), and the run
+    events a realistic run's agent sends at its end (``events``): its ``ddp`` / ``fsdp`` facts (rank 0) and
+    every rank's ``memory`` event (``synthetic.memory_event``, with the device's memory)."""
+
+    def __init__(self) -> None:
+        from .wire import RANK_STEP_FIELDS
+
+        names = [f.name for f in RANK_STEP_FIELDS]
+        self._ix = (names.index("mem_peak_bytes"), names.index("mem_reserved_bytes"))
+        self.peaks: dict[int, tuple[float, float]] = {}
+
+    def add(self, rows: list[tuple]) -> None:
+        ia, ir = self._ix
+        for row in rows:
+            pa, pr = self.peaks.get(int(row[0]), (0.0, 0.0))
+            self.peaks[int(row[0])] = (max(pa, float(row[ia] or 0)), max(pr, float(row[ir] or 0)))
+
+    def events(self, spec: RunSpec, ts: float, seq0: int = 0) -> list[dict[str, Any]]:
+        if not spec.realistic:
+            return []
+        out: list[dict[str, Any]] = []
+        facts = parallel_facts(spec)
+        if facts is not None:
+            out.append({"rank": 0, "seq": seq0, "kind": facts[0], "ts": spec.start_ts, "step": None, "data": facts[1]})
+        for r, (pa, pr) in sorted(self.peaks.items()):
+            out.append({"rank": r, "seq": seq0 + 1, "kind": "memory", "ts": ts, "step": spec.steps - 1,
+                        "data": memory_event(spec, pa, pr)})
+        return out
 
 
 def load_history(client: Any, specs: list[RunSpec], *, batch_rank_steps: int = 20_000) -> int:
@@ -71,16 +112,20 @@ def load_history(client: Any, specs: list[RunSpec], *, batch_rank_steps: int = 2
         cbuf: list[tuple] = []
         first = True
         end_ts = spec.start_ts
+        peaks = PeakMemory()
         for step, rows in rank_step_rows(spec):
             end_ts = max(end_ts, max(r[3] + r[2] for r in rows))  # ts + step_s (wire field order)
             buf.extend(rows)
             cbuf.extend(collective_rows(spec, step, rows))
+            peaks.add(rows)
             if len(buf) >= batch_rank_steps or step == spec.steps - 1:
                 batch: dict[str, Any] = {"v": 1, "run_id": run_id, "rank_steps": columnar(buf, RANK_STEP_FIELDS),
                                          "collectives": columnar(cbuf, COLLECTIVE_FIELDS)}
                 if first:
                     batch["ranks"] = hosts
                     first = False
+                if step == spec.steps - 1:  # what the agent sends: its DDP / FSDP facts, each rank's memory figures
+                    batch["events"] = peaks.events(spec, end_ts)
                 client.ingest(batch)
                 sent += len(buf)
                 buf, cbuf = [], []

@@ -14,7 +14,8 @@ from typing import Annotated, Optional
 import typer
 
 __all__ = ["simulate", "parse_straggler", "parse_slow_node", "parse_shift", "parse_config_json", "parse_token_skew",
-           "run_simulation", "parse_rank_at_step", "hang_positions", "crash_failures"]
+           "run_simulation", "parse_rank_at_step", "hang_positions", "crash_failures", "parse_throttle", "device_events",
+           "parse_rank_factors"]
 
 
 def parse_straggler(value: str | None) -> dict[int, float]:
@@ -94,6 +95,75 @@ def parse_token_skew(value: str | None) -> dict[int, float]:
         if not sep or rank < 0 or not math.isfinite(factor) or factor <= 0:
             raise typer.BadParameter(f"--token-skew expects RANK=FACTOR with RANK >= 0 and FACTOR > 0, got {part.strip()!r}")
         out[rank] = factor
+    return out
+
+
+def parse_rank_factors(value: str | None, opt: str) -> dict[int, float]:
+    """``"RANK=FACTOR"``, several comma-separated (``--slow-link``, ``--slow-loader``) → {rank: factor}."""
+    import math
+
+    out: dict[int, float] = {}
+    for part in (value or "").split(","):
+        if not part.strip():
+            continue
+        rank_s, sep, factor_s = part.strip().partition("=")
+        try:
+            rank, factor = int(rank_s), float(factor_s)
+        except ValueError:
+            rank, factor = -1, float("nan")
+        if not sep or rank < 0 or not math.isfinite(factor) or factor <= 0:
+            raise typer.BadParameter(f"{opt} expects RANK=FACTOR with RANK >= 0 and FACTOR > 0, got {part.strip()!r}")
+        out[rank] = factor
+    return out
+
+
+THROTTLE_REASONS = ("power", "thermal", "hw_slowdown")
+#: a throttled rank's slowdown (its compute takes this much longer) and its GPU as the fake NVML shows it
+_THROTTLE = {"power": (1.4, {"sm_clock_mhz": 1410.0, "power_w": 699.0, "temp_c": 71.0}),
+             "thermal": (1.25, {"sm_clock_mhz": 1590.0, "power_w": 610.0, "temp_c": 89.0}),
+             "hw_slowdown": (1.6, {"sm_clock_mhz": 1240.0, "power_w": 480.0, "temp_c": 84.0})}
+_HEALTHY = {"sm_clock_mhz": 1980.0, "mem_clock_mhz": 2619.0, "power_w": 520.0, "power_limit_w": 700.0, "temp_c": 62.0,
+            "util": 0.97, "mem_used_bytes": float(60 << 30)}
+
+
+def parse_throttle(values: list[str] | None) -> dict[int, str]:
+    """``--throttle RANK:REASON`` (repeatable; REASON power, thermal or hw_slowdown) → {rank: reason}."""
+    out: dict[int, str] = {}
+    for v in values or []:
+        for part in v.split(","):
+            rank_s, sep, reason = part.strip().partition(":")
+            try:
+                rank = int(rank_s)
+            except ValueError:
+                rank = -1
+            if not sep or rank < 0 or reason not in THROTTLE_REASONS:
+                raise typer.BadParameter(f"--throttle expects RANK:REASON with REASON one of "
+                                         f"{', '.join(THROTTLE_REASONS)}, got {part.strip()!r}")
+            out[rank] = reason
+    return out
+
+
+def device_events(ranks: int, throttle: dict[int, str], t_lo: float, t_hi: float, ev: _Events,
+                  max_windows: int = 8, window_s: float = 30.0) -> list[dict]:
+    """The ``device`` events of every rank over [t_lo, t_hi) (what agent/device_telemetry.py sends: windows of
+    about ``window_s``, at most ``max_windows`` per rank): healthy GPUs at full clocks, each ``throttle``
+    rank's GPU held by its reason."""
+    n = max(1, min(max_windows, int((t_hi - t_lo) // window_s) or 1))
+    w = max((t_hi - t_lo) / n, 1e-3)
+    out = []
+    for r in range(ranks):
+        reason = throttle.get(r)
+        figs = {**_HEALTHY, **(_THROTTLE[reason][1] if reason else {})}
+        for i in range(n):
+            jitter = 1.0 + 0.002 * (((r * 7 + i * 3) % 11) - 5)
+            data: dict = {"window_s": round(w, 3), "samples": max(1, int(w))}
+            for k, v in figs.items():
+                m = round(v * (jitter if k in ("sm_clock_mhz", "power_w", "temp_c") else 1.0), 3)
+                data[k] = {"min": round(m * 0.99, 3), "mean": m, "max": round(min(m * 1.01, figs["power_limit_w"])
+                                                                            if k == "power_w" else m * 1.01, 3)}
+            data.update(throttle=[reason] if reason else [], throttle_s={reason: round(0.95 * w, 3)} if reason else {},
+                        ecc_errors=0, xid=[], device_index=r % 8)
+            out.append(ev(r, "device", data, None, t_lo + i * w))
     return out
 
 
@@ -234,8 +304,19 @@ def run_simulation(
     job_id: str | None = None,
     attempt: int = 0,
     step_lo: int = 0,
+    realistic: bool = False,
+    throttle: dict[int, str] | None = None,
+    slow_links: dict[int, float] | None = None,
+    slow_loaders: dict[int, float] | None = None,
+    bucket_mb: float | None = None,
+    largest_grad_mb: float | None = None,
 ) -> dict:
     """Send the run; returns the transport's counters. Raises RuntimeError if anything was lost.
+
+    ``throttle`` {rank: reason}: that rank's GPU throttles (``--throttle``): its compute is slower (unless
+    ``straggler`` names it too) and every rank sends ``device`` telemetry showing it. ``slow_links`` {rank:
+    factor}: that rank's collectives take factor× as long (``--slow-link``); ``slow_loaders`` {rank: factor}:
+    its data loading does (``--slow-loader``).
 
     Health scenarios (docs/cli.md): ``hang`` (rank, step) stops the run at that step with every rank's
     position (the others blocked in the step's all_reduce, the rank in its data loader), re-sent every
@@ -249,25 +330,34 @@ def run_simulation(
             server=server, token=token, run=run, family=family, ranks=ranks, steps=steps, seed=seed,
             straggler=straggler, gpu=gpu, step_ms=step_ms, realtime=realtime, spool_dir=spool_dir,
             flush_timeout_s=flush_timeout_s, slow_nodes=slow_nodes, shift=shift, config=config, git_commit=git_commit,
-            crash=(0, restart), checkpoint_every=every, job_id=job_id or run, attempt=attempt)
+            crash=(0, restart), checkpoint_every=every, job_id=job_id or run, attempt=attempt, realistic=realistic,
+            bucket_mb=bucket_mb, largest_grad_mb=largest_grad_mb)
         resume = (restart // every) * every  # the last checkpoint before the crash: steps after it are redone
         second = run_simulation(
             server=server, token=token, run=run, family=family, ranks=ranks, steps=steps, seed=seed,
             straggler=straggler, gpu=gpu, step_ms=step_ms, realtime=realtime, spool_dir=spool_dir,
             flush_timeout_s=flush_timeout_s, slow_nodes=slow_nodes, shift=shift, config=config, git_commit=git_commit,
-            checkpoint_every=every, job_id=job_id or run, attempt=attempt + 1, step_lo=resume)
+            checkpoint_every=every, job_id=job_id or run, attempt=attempt + 1, step_lo=resume, realistic=realistic,
+            bucket_mb=bucket_mb, largest_grad_mb=largest_grad_mb)
         return {k: first.get(k, 0) + second.get(k, 0) if isinstance(first.get(k, 0), int) else second.get(k)
                 for k in set(first) | set(second)}
     from fleetscope.agent.config import AgentConfig
     from fleetscope.agent.transport import Transport
 
+    from .demo import PeakMemory
     from .synthetic import RunSpec, collective_rows, modality_rows, rank_step_rows
 
+    if throttle:  # a throttled GPU makes its rank slower
+        straggler = {**{r: _THROTTLE[x][0] for r, x in throttle.items()}, **(straggler or {})}
+    t_span = [float("inf"), float("-inf")]  # the steps' time range, for the device windows
     spec = RunSpec(name=run, family=family, world_size=ranks, steps=steps, seed=seed, straggler=straggler or {},
                    gpu=gpu, step_ms=step_ms, shift=shift or {}, config=config, git_commit=git_commit,
-                   token_skew=token_skew or {}, token_skew_modality=skew_modality)
+                   token_skew=token_skew or {}, token_skew_modality=skew_modality, realistic=realistic,
+                   bucket_mb=bucket_mb, largest_grad_mb=largest_grad_mb)
     send_modalities = modality_tokens or bool(token_skew)
     spec.slow_nodes = slow_nodes or {}
+    spec.slow_links = slow_links or {}
+    spec.slow_loaders = slow_loaders or {}
     scenario = hang is not None or crash is not None or bool(attempt) or job_id is not None or bool(checkpoint_every)
     if realtime:
         spec.start_ts = time.time()
@@ -290,7 +380,13 @@ def run_simulation(
         # a stopped or restarted run is judged by the server's clock: its steps end now
         step_iter = iter(_ending_now(list(step_iter)))
     ts_i = _TS_INDEX
+    peaks = PeakMemory()
+    end_ts = spec.start_ts
     for step, rows in step_iter:
+        peaks.add(rows)
+        end_ts = max([end_ts] + [float(r[ts_i]) + float(r[2]) for r in rows])
+        if throttle and rows:
+            t_span = [min(t_span[0], float(rows[0][ts_i])), max(t_span[1], float(rows[0][ts_i]) + float(rows[0][2]))]
         if checkpoint_every and step > step_lo and step % checkpoint_every == 0:
             t_ck = rows[0][ts_i] if rows else None
             for r in range(ranks):
@@ -312,6 +408,11 @@ def run_simulation(
         if pending >= cfg.queue_max_records // 2:
             tr.flush(timeout=flush_timeout_s)  # pace the producer: a simulation may wait, a job never does
             pending = 0
+    for e in peaks.events(spec, end_ts):  # the realistic model's DDP / FSDP facts and memory figures
+        tr.submit("event", ev(e["rank"], e["kind"], e["data"], e["step"], e["ts"]))
+    if throttle and t_span[1] > t_span[0]:
+        for e in device_events(ranks, throttle, t_span[0], t_span[1], ev):
+            tr.submit("event", e)
     if hang is not None:  # positions every 5 s while the step stays open; the run is left running
         t_hang = time.monotonic()
         while True:
@@ -375,6 +476,20 @@ def simulate(
     hold: Annotated[float, typer.Option(
         "--hold", min=0.0, help="--hang: keep re-sending the positions every 5 s for this many seconds")] = 0.0,
     job_id: Annotated[Optional[str], typer.Option("--job-id", help="job identity shared by the attempts")] = None,
+    realistic: Annotated[bool, typer.Option(
+        "--realistic", help="the family's own parallelism, memory and collective placement (as the demo)")] = False,
+    throttle: Annotated[Optional[list[str]], typer.Option(
+        "--throttle", help="RANK:REASON (repeatable; power, thermal, hw_slowdown): that rank's GPU throttles, the "
+                           "rank is slower and device telemetry shows why")] = None,
+    slow_link: Annotated[Optional[str], typer.Option(
+        "--slow-link", help="RANK=FACTOR[,...]: that one rank's collectives run FACTOR× slower (a bad NIC or cable)")] = None,
+    slow_loader: Annotated[Optional[str], typer.Option(
+        "--slow-loader", help="RANK=FACTOR[,...]: that rank's data loading takes FACTOR× as long")] = None,
+    bucket_mb: Annotated[Optional[float], typer.Option(
+        "--bucket-mb", min=0.001, help="realistic DDP layouts: DDP's bucket_cap_mb (default: the family's, 25)")] = None,
+    largest_grad_mb: Annotated[Optional[float], typer.Option(
+        "--largest-grad-mb", min=0.001, help="realistic DDP layouts: the model's largest gradient tensor in MiB "
+        "(default: one of a block's MLP matrices)")] = None,
 ) -> None:
     """Send one synthetic run through the real agent transport (same code path as a training job)."""
     import logging
@@ -414,6 +529,14 @@ def simulate(
             raise typer.BadParameter(f"{opt} {at[0]}@{at[1]}: the rank must be < --ranks {ranks} and the step < --steps {steps}")
     if restart is not None and restart >= steps:
         raise typer.BadParameter(f"--restart {restart}: the step must be < --steps {steps}")
+    throttled = parse_throttle(throttle)
+    if throttled and max(throttled) >= ranks:
+        raise typer.BadParameter(f"--throttle rank {max(throttled)} is not < --ranks {ranks}")
+    links = parse_rank_factors(slow_link, "--slow-link")
+    loaders = parse_rank_factors(slow_loader, "--slow-loader")
+    for opt, m in (("--slow-link", links), ("--slow-loader", loaders)):
+        if m and max(m) >= ranks:
+            raise typer.BadParameter(f"{opt} rank {max(m)} is not < --ranks {ranks}")
     cfg = parse_config_json(config_json)
     if commit is not None and not 0 < len(commit) <= 64:
         raise typer.BadParameter(f"--commit must be 1-64 characters, got {len(commit)}")
@@ -423,7 +546,9 @@ def simulate(
                                shift=shifts, config=cfg, git_commit=commit, slow_nodes=slow_nodes,
                                token_skew=skew, skew_modality=skew_modality, modality_tokens=modality_tokens,
                                hang=hang_at, crash=crash_at, restart=restart, checkpoint_every=checkpoint_every,
-                               hold_s=hold, job_id=job_id)
+                               hold_s=hold, job_id=job_id, realistic=realistic, throttle=throttled,
+                               bucket_mb=bucket_mb, largest_grad_mb=largest_grad_mb,
+                               slow_links=links, slow_loaders=loaders)
     except RuntimeError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None

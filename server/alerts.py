@@ -226,6 +226,8 @@ class AlertWorker:
                                public_url=self.public_url)
                 sn, sn_series = reports.slow_node_findings(self.engine, rid)
                 events += sync(self.engine, sn, sn_series, public_url=self.public_url)
+                dv, dv_series = reports.device_findings(self.engine, rid)  # XID / ECC / heat (device telemetry)
+                events += sync(self.engine, dv, dv_series, public_url=self.public_url)
         if bench or everything:
             found, evaluated = reports.benchmark_regressions(self.engine, series_ids=None if everything else sorted(bench))
             events += sync(self.engine, found, evaluated, public_url=self.public_url)

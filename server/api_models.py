@@ -301,6 +301,14 @@ class RunHealthOut(BaseModel):
     state: str = Field(description="running, stalled, hung, failed or finished")
     since: Any = None
     finding: str | None = None
+    cause: str | None = Field(None, description="what ended or stopped the run: failure (a rank's own), node_lost "
+                                                "(a node stopped without a word; the others lost their connection "
+                                                "to it), hang; null while it runs")
+    lost_nodes: list[Any] = Field(default_factory=list, description="with cause node_lost: [{node (null: ranks "
+                                                                     "never heard of, node unknown), ranks, "
+                                                                     "rank_count}]")
+    settling: bool | None = Field(None, description="a failure that blames a peer, while the nodes not heard from "
+                                                    "have time to report (its alert waits for it)")
     waiting: Any = None
     missing_ranks: list[Any] = Field(default_factory=list)
     missing_count: int | None = Field(None, description="every missing rank (missing_ranks lists the first 1,024)")
@@ -337,3 +345,119 @@ class BaselinePinned(BaseModel):
 class BaselineList(BaseModel):
     model_config = _OPEN
     baselines: list[dict[str, Any]]
+
+
+class CompareRuns(BaseModel):
+    """``GET /api/v1/compare``: runs side by side in normalised units (docs/api.md, "Compare")."""
+
+    model_config = _OPEN
+    runs: list[dict[str, Any]] = Field(description="per run: figures, params / active_params, "
+                                                   "param_tokens_per_s_per_gpu, samples_per_s_per_gpu, "
+                                                   "modality_tokens_per_s, same_family (as the first run)")
+    relative_to_first: dict[str, list[float | None]]
+    config_diff: dict[str, list[Any]]
+    missing: list[int]
+
+
+class Projection(BaseModel):
+    """``GET /runs/{id}/projection`` (docs/api.md "Projections"): estimated figures at another layout."""
+
+    model_config = _OPEN
+    run_id: int
+    status: str = Field(description='"ok", or "insufficient_data" with what is missing')
+    missing: list[str] = Field(default_factory=list)
+    step_s: float | None = None
+    mfu: float | None = None
+    tokens_per_s: float | None = None
+    parts: dict[str, float] | None = Field(None, description="data, compute, comm_exposed, other, bubble, straggler_wait")
+    error_band: dict[str, Any] | None = None
+    basis: dict[str, Any] | None = None
+    target: dict[str, Any] | None = None
+    baseline: dict[str, Any] | None = None
+
+
+class ProjectionTrackRecord(BaseModel):
+    """``GET /projections/track_record?family=``: recorded projections against the runs that followed."""
+
+    model_config = _OPEN
+    family: str
+    summary: dict[str, Any]
+    checked: list[dict[str, Any]]
+    pending: list[dict[str, Any]]
+    backtest: list[dict[str, Any]]
+    backtest_summary: dict[str, Any]
+
+
+__all__ += ["Projection", "ProjectionTrackRecord"]
+
+
+class MemoryReport(BaseModel):
+    """``GET /api/v1/runs/{id}/memory``: the summary's ``memory`` section plus memory per module."""
+
+    model_config = _OPEN
+    run_id: int
+    modules: list[Any] = Field(default_factory=list)
+    modules_rank: int | None = None
+    breakdown: dict[str, Any] | None = None
+    ranks: list[Any] = Field(default_factory=list)
+    module_imbalance: dict[str, Any] | None = None
+    checkpoint_advice: list[Any] = Field(default_factory=list)
+    advice_note: str | None = None
+
+
+class DeviceRank(BaseModel):
+    """One rank's GPU telemetry (docs/api.md ``GET /runs/{id}/devices``; definitions in docs/metrics.md)."""
+
+    model_config = _OPEN
+    rank: int
+    host: str | None = None
+    node: str | None = None
+    windows: int
+    seconds: float | None = None
+    sm_clock_mhz: float | None = None
+    peers_sm_clock_mhz: float | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    temp_c_max: float | None = None
+    util: float | None = None
+    throttle: list[str] = Field(default_factory=list, description="throttle reason names seen")
+    throttle_share: dict[str, float] = Field(default_factory=dict, description="{reason: share of the time active}")
+    throttled_share: float = 0.0
+    throttled: bool = False
+    reason: str | None = Field(None, description="the slowing reason active longest, when throttled")
+    xid: list[int] = Field(default_factory=list)
+    ecc_errors: int = 0
+
+
+class Devices(BaseModel):
+    """``GET /api/v1/runs/{id}/devices``: per-rank GPU telemetry and the ranks to look at."""
+
+    model_config = _OPEN
+    run_id: int
+    world_size: int | None = None
+    ranks: list[DeviceRank]
+    peers: dict[str, Any]
+    throttled_ranks: list[int]
+    error_ranks: list[int]
+    throttled_share_min: float
+
+
+class DeviceNode(BaseModel):
+    model_config = _OPEN
+    node: str
+    runs: int
+    runs_throttled: int
+    throttled_s: float
+    seconds: float
+    xid_windows: int
+    ecc_errors: int
+
+
+class DeviceNodes(BaseModel):
+    """``GET /api/v1/devices/nodes``: nodes ranked by GPU trouble across the runs the reader sees."""
+
+    model_config = _OPEN
+    nodes: list[DeviceNode]
+
+
+__all__ += ["DeviceRank", "Devices", "DeviceNode", "DeviceNodes"]

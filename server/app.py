@@ -24,6 +24,7 @@ from .analysis.rollups import fold_rank_rollups
 from .auth import TokenVerifier
 from .compactor import CompactionResult, CompactionWorkers, Compactor
 from .db import make_engine, upgrade
+from .dcgm import DcgmReader
 from .edge import EdgeMiddleware
 from .errors import error_body
 from .health_pass import HealthWorker, params_from
@@ -38,14 +39,19 @@ from .routes import (
     alerts,
     baselines,
     benchmarks,
+    compare,
+    devices,
     health,
     ingest,
     kernels,
+    memory,
     nodes,
     overlap,
+    projection,
     run_health,
     runs,
     traces,
+    utilisation,
 )
 from .settings import Settings
 from .state import AppState
@@ -162,6 +168,7 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
         workers: CompactionWorkers | None = None
         keeper: retention.RetentionWorker | None = None
         follower: _CompactionFollower | None = None
+        dcgm_reader: DcgmReader | None = None
         if start_background:
             if settings.compaction_workers > 0:
                 workers = CompactionWorkers(url, settings.compaction_workers, grace_s=settings.compact_grace_s,
@@ -180,6 +187,10 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
             if retention.policy_for(settings, None).any or settings.retention_overrides:
                 keeper = retention.RetentionWorker(state.engine, settings)
                 keeper.start()
+            dcgm_reader = DcgmReader.from_settings(state.engine, settings)
+            if dcgm_reader is not None:  # GPU telemetry from dcgm-exporter, for ranks without the agent's
+                dcgm_reader.start()
+        app.state.dcgm = dcgm_reader
         state.ready = True
         try:
             yield
@@ -187,6 +198,8 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
             state.ready = False
             if keeper is not None:
                 keeper.stop()
+            if dcgm_reader is not None:
+                dcgm_reader.stop()
             if follower is not None:
                 follower.stop()
             if workers is not None:
@@ -217,7 +230,8 @@ def create_app(settings: Settings, *, database_url: str | None = None, start_bac
                        wait_s=max(1.0, settings.read_timeout_s))
     app.include_router(health.router)
     for r in (ingest.router, runs.router, benchmarks.router, traces.router, alerts.router, baselines.router, nodes.router,
-              kernels.router, overlap.router, run_health.router):
+              kernels.router, overlap.router, run_health.router, devices.router, compare.router,
+              projection.router, memory.router, utilisation.router):
         app.include_router(r, prefix="/api/v1")
 
     @app.exception_handler(DataError)

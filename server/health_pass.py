@@ -19,6 +19,11 @@ One run never delays another's state (docs/metrics.md, "Run states: the pass at 
   between its last conclusion is carried over. An analysis over budget concludes ``stalled`` (no
   wavefront) and says so. Before it is stored the run is re-read: if it resumed, failed or ended
   meanwhile, triage's conclusion stands.
+- Ended runs are assessed again when failure records landed since their last conclusion (the stored
+  ``detail.failures_seen`` differs from what ``store.health.progress`` counts: a record with an earlier
+  time changes the root cause, and the alert's finding is updated in place — not a new page), and while
+  a failure's cause is settling (``detail.settle_until``: a node not heard from may be lost; its alert
+  waits until then).
 - A run whose reads fail is skipped, the others go on; a database outage logs one line per cause per
   minute (``logutil.log_throttled``), not a traceback per run per pass.
 """
@@ -35,8 +40,18 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy import exc as sa_exc
 
-from .analysis.health import HealthParams, Verdict, WaveSummary, evaluate, root_cause, stall_threshold
-from .limits import MAX_HEALTH_RANKS_LISTED, MAX_HEALTH_STACKS
+from .analysis.health import (
+    HealthParams,
+    SilentNodes,
+    Verdict,
+    WaveSummary,
+    evaluate,
+    is_peer_error,
+    root_cause,
+    settle_s,
+    stall_threshold,
+)
+from .limits import MAX_FAILURES_PER_RUN, MAX_HEALTH_RANKS_LISTED, MAX_HEALTH_STACKS
 from .logutil import Throttle, log_throttled
 from .store import alerts as alert_store
 from .store import health as store
@@ -100,7 +115,8 @@ def assess(engine: Engine, rp: store.RunProgress, params: HealthParams, *, full:
     cheap = (not full and not ended and rp.failures == 0 and rp.state in ("running", None)
              and age < min(params.stall_min_s, params.stall_first_s))
     fails: list[store.Failure] = []
-    n_failed_ranks = 0
+    silent: SilentNodes | None = None
+    n_rows = n_failed_ranks = 0
     pending = stalled = False
     if cheap:
         v = Verdict("running")
@@ -108,9 +124,10 @@ def assess(engine: Engine, rp: store.RunProgress, params: HealthParams, *, full:
         nodes: dict[int, str] = {}
         if rp.failures:
             fails = store.failures(engine, rp.run_id, limit=64)
-            n_failed_ranks = store.failure_count(engine, rp.run_id)[1]
+            n_rows, n_failed_ranks = store.failure_count(engine, rp.run_id)
             if fails:  # the failure finding names the root cause's node: only the failed ranks' nodes are read
                 nodes = store.node_map(engine, rp.run_id, sorted({f.rank for f in fails}))
+                silent = _silent_nodes(engine, rp, params, fails, n_rows, budget_s)
         p99 = store.step_p99(engine, rp.run_id) if rp.steps else None
         pause = store.open_pause(engine, rp.run_id, rp.now, params.pause_max_s) if not ended else None
         pause_end = store.last_pause_end(engine, rp.run_id) if not ended else None
@@ -133,7 +150,7 @@ def assess(engine: Engine, rp: store.RunProgress, params: HealthParams, *, full:
                      current_step=rp.current_step, now=rp.now, progress_at=progress_at, p99_step_s=p99,
                      failures=fails, n_failed_ranks=n_failed_ranks, finished_at=rp.finished_at, pauses=[],
                      positions=None, nodes=nodes, params=params, last_pause_end=pause_end,
-                     wave=wave if stalled else None, pause=pause)
+                     wave=wave if stalled else None, pause=pause, silent=silent)
         if stalled and unanalysed and v.state == "stalled" and v.finding:
             v.finding += f"; the positions of its {rp.world_size:,} ranks were not analysed ({unanalysed})"
     hang_s = rp.hang_s
@@ -141,6 +158,33 @@ def assess(engine: Engine, rp: store.RunProgress, params: HealthParams, *, full:
         hang_s += max(rp.now - v.since, 0.0)
     return Assessment(rp, v, seen, progress_at, hang_s, fails, rp.failures, pending=pending, wave=wave,
                       unanalysed=unanalysed if stalled else None)
+
+
+def _silent_nodes(engine: Engine, rp: store.RunProgress, params: HealthParams, fails: list[store.Failure],
+                  n_rows: int, budget_s: float | None) -> SilentNodes | None:
+    """The nodes that said nothing, when the failure's first record blames a peer (the node-lost rule,
+    ``analysis.health._node_lost``); None when the rule does not apply: a real failure first, or failure
+    records beyond the run's cap (MAX_FAILURES_PER_RUN: a node without one proves nothing then), or the
+    read over its budget. While the failure settles, a run of more than ``INLINE_RANKS`` ranks is not
+    read (``checked`` False): its nodes are read once, when the settle time is over."""
+    first = root_cause(fails)
+    if first is None or not is_peer_error(first) or n_rows >= MAX_FAILURES_PER_RUN:
+        return None
+    settling = rp.now - (first.ts if first.ts is not None else rp.now) < settle_s(params)
+    if settling and rp.world_size > INLINE_RANKS:
+        return SilentNodes(checked=False)
+    try:
+        return store.silent_nodes(engine, rp.run_id, rp.world_size, params.silence_s, max_listed=params.max_listed,
+                                  budget_s=budget_s)
+    except Exception as e:
+        if not store.is_over_budget(e):
+            raise
+        log_throttled(log, logging.WARNING, "health:silent-over-budget", "health pass: the silent nodes of run %s "
+                      "were not read within %s s", rp.run_id, budget_s, throttle=_THROTTLE)
+        return None
+
+
+_THROTTLE = Throttle(60.0)
 
 
 def _closed_hang_s(rp: store.RunProgress, v: Verdict) -> float:
@@ -160,13 +204,21 @@ def _alert(a: Assessment, public_url: str | None) -> alert_store.AlertWrite:
                "run_name": a.run.name, "step": v.step, "missing_ranks": v.missing_ranks[:64],
                "missing_count": v.missing_count, "missing_nodes": v.missing_nodes[:16], "collective": v.collective,
                "stuck": v.stuck}
-    if kind == "failure" and a.failures:
-        f = a.failures[0]
-        details["root_cause"] = {"rank": f.rank, "exception": f.exception, "signal": f.signal,
-                                 "exit_code": f.exit_code, "step": f.step}
+    first = root_cause(a.failures) if kind == "failure" else None
+    if v.cause == "node_lost":
+        details["root_cause"] = {"cause": "node_lost", "nodes": v.missing_nodes[:16], "ranks": v.missing_ranks[:64],
+                                 "rank_count": v.missing_count, "step": v.step}
+    elif first is not None:
+        details["root_cause"] = {"cause": "failure", "rank": first.rank, "exception": first.exception,
+                                 "signal": first.signal, "exit_code": first.exit_code, "step": first.step}
+    # a run fails once: its failure alert is one incident whatever record turns out to be the first, so
+    # the key does not hold the time (a failure that lands late with an earlier time updates the alert
+    # in place, and one resolved by hand is not raised again)
+    dedup = (f"failure:health:{a.run.run_id}" if kind == "failure"
+             else f"{kind}:health:{a.run.run_id}:{int(v.since or 0)}")
     return alert_store.AlertWrite(
         key=(kind, f"health:{a.run.run_id}", "run_state"),
-        dedup_key=f"{kind}:health:{a.run.run_id}:{int(v.since or 0)}",
+        dedup_key=dedup,
         run_id=a.run.run_id, before=thr, after=age, change=(age / thr - 1.0) if thr > 0 else 0.0, significance=None,
         first_bad_json=json.dumps({"step": v.step, "since": v.since}), details_json=json.dumps(details, default=str),
         url=(public_url or "").rstrip("/") + f"/runs/{a.run.run_id}",
@@ -392,16 +444,21 @@ class HealthWorker:
             # record): it stays as the pass concluded — no running state, so no hang alert later either
             return []
         changed = (prev != v.state or a.seen_step != rp.seen_step or v.state in ("stalled", "hung", "failed")
-                   or rp.progress_at is None)
+                   or rp.progress_at is None or (rp.detail.get("failures_seen") or 0) != rp.failures)
         if changed:
             since = v.since if v.state != "running" else None
+            # failures_seen: the failure records this conclusion stands on (progress() re-assesses the run,
+            # ended or not, once more landed); settle_until (in the detail): assessed again until then
             store.save_health(self.engine, rp.run_id, state=v.state, since=since, finding=v.finding,
-                              detail=v.detail(), seen_step=a.seen_step, progress_at=a.progress_at,
-                              hang_s=_closed_hang_s(rp, v), status=_STATUS.get(v.state))
+                              detail={**v.detail(), "failures_seen": rp.failures}, seen_step=a.seen_step,
+                              progress_at=a.progress_at, hang_s=_closed_hang_s(rp, v), status=_STATUS.get(v.state))
         # alerts: one per incident; a hang only when the pass saw the run progress before (a run that
-        # was already stopped when this server first looked at it is marked, not paged)
+        # was already stopped when this server first looked at it is marked, not paged); a failure whose
+        # cause is still settling (a node not heard from yet) is paged once it is known
         alertable = v.kind is not None and (v.kind == "failure" or prev is not None)
         out: list[tuple[str, dict[str, Any]]] = []
+        if v.settle_until is not None:
+            return out  # the run's alerts stay as they are until its cause is known (a few seconds)
         if alertable or prev in ("stalled", "hung", "failed") or prev != v.state:
             writes = [_alert(a, self.public_url)] if alertable else []
             out = alert_store.reconcile(self.engine, writes, [f"health:{rp.run_id}"])

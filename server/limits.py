@@ -18,6 +18,8 @@ MAX_EVENT_VALUES = 1_000
 #: JSON values in one ``trace_summary`` event (the agent's sampled-trace reduction: per-step rows and
 #: top kernels grow with the profiled window; the kernel fold reads only its kernel rows)
 MAX_TRACE_SUMMARY_VALUES = 10_000
+#: JSON values in one ``memory_modules`` event (the agent's per-module memory: ≤ 256 modules × 11 columns)
+MAX_MEMORY_MODULES_VALUES = 4_000
 #: distinct process groups (``comm_group``) one run may describe; a group is stored once, not per rank
 MAX_GROUPS_PER_RUN = 65_536
 #: ranks listed explicitly in one group description (a longer group is sent as start/stride/size)
@@ -63,3 +65,5 @@ MAX_SCALAR_NAME_CHARS = 128
 MAX_SCALAR_POINTS_PER_RUN = 1_000_000
 #: points per scalar name one ``/scalars`` read or the run page returns at most (downsampled, minima and maxima kept)
 MAX_SCALAR_READ_POINTS = 20_000
+#: device-telemetry windows (rank, window) one run keeps (``run_devices``); further windows are dropped and counted
+MAX_DEVICE_WINDOWS_PER_RUN = 2_000_000

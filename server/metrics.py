@@ -145,7 +145,7 @@ class ServiceMetrics:
             "fleetscope_metrics_collection_errors_total",
             "Scrape-time metric groups that could not be read (the group is left out of that scrape)", ["group"],
             registry=None)  # registered after the groups' collector: a failure shows in the same scrape
-        for group in ("instance", "database", "cluster", "runs"):
+        for group in ("instance", "database", "cluster", "runs", "devices"):
             self.collection_errors.labels(group)
         build = Gauge("fleetscope_build_info", "fleetscope version and Python version (always 1)",
                       ["version", "python_version"], registry=r)

@@ -14,6 +14,7 @@ import datetime as dt
 from typing import Any
 
 from sqlalchemy import (
+    REAL,
     BigInteger,
     Boolean,
     CheckConstraint,
@@ -31,7 +32,7 @@ from sqlalchemy import (
     UniqueConstraint,
     func,
 )
-from sqlalchemy.dialects.postgresql import BIT, JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, BIT, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 __all__ = [
@@ -701,3 +702,83 @@ class Baseline(Base):
     run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     pinned_at: Mapped[dt.datetime] = mapped_column(TZ, server_default=func.now())
     pinned_by: Mapped[str | None] = mapped_column(String(128))
+
+
+# --- device telemetry (migration 0021; server/store/devices.py) ----------------------------------
+
+
+class RunDevice(Base):
+    """One window of one rank's device telemetry (the agent's ``device`` events, NVML on the sender thread)."""
+
+    __tablename__ = "run_devices"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    t_ms: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    """the window's start, wall clock in milliseconds"""
+    window_s: Mapped[float] = mapped_column(REAL)
+    samples: Mapped[int] = mapped_column(Integer)
+    sm_clock_min: Mapped[float | None] = mapped_column(REAL)
+    sm_clock_mean: Mapped[float | None] = mapped_column(REAL)
+    sm_clock_max: Mapped[float | None] = mapped_column(REAL)
+    mem_clock_mean: Mapped[float | None] = mapped_column(REAL)
+    power_mean: Mapped[float | None] = mapped_column(REAL)
+    power_max: Mapped[float | None] = mapped_column(REAL)
+    power_limit: Mapped[float | None] = mapped_column(REAL)
+    temp_mean: Mapped[float | None] = mapped_column(REAL)
+    temp_max: Mapped[float | None] = mapped_column(REAL)
+    util_mean: Mapped[float | None] = mapped_column(REAL)
+    mem_used_max: Mapped[int | None] = mapped_column(BigInteger)
+    throttle: Mapped[int] = mapped_column(Integer, server_default="0")
+    """bit mask over ``device_wire.REASONS``"""
+    throttled_s: Mapped[float] = mapped_column(REAL, server_default="0")
+    """seconds any slowing reason (``device_wire.THROTTLING``) was active"""
+    throttle_s: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    ecc_errors: Mapped[int | None] = mapped_column(Integer)
+    xid: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
+    step: Mapped[int | None] = mapped_column(BigInteger)
+    source: Mapped[str] = mapped_column(String(16), server_default="agent")
+    """'agent' (NVML in the job) or 'dcgm' (read from dcgm-exporter / Prometheus by the server; migration 0024)"""
+
+
+__all__ += ["RunDevice"]
+
+
+# --- projections asked of a run (migration 0023; server/store/projections.py) --------------------
+
+
+class RunProjection(Base):
+    """A projection asked of a run at a target layout: the first projected figures (what the track
+    record checks against the runs that followed) and the latest."""
+
+    __tablename__ = "run_projections"
+    __table_args__ = (PrimaryKeyConstraint("run_id", "world_size", "tp", "pp", "micro_batches", "bucket_bytes",
+                                           "hold_global_batch"),
+                      Index("ix_run_projections_family", "model_family", "signature"))
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    world_size: Mapped[int] = mapped_column(Integer, autoincrement=False)
+    tp: Mapped[int] = mapped_column(Integer, autoincrement=False)
+    pp: Mapped[int] = mapped_column(Integer, autoincrement=False)
+    micro_batches: Mapped[int] = mapped_column(Integer, autoincrement=False)
+    """0: as the run (or not pipelined)"""
+    bucket_bytes: Mapped[int] = mapped_column(BigInteger, autoincrement=False)
+    """0: as the run"""
+    hold_global_batch: Mapped[bool] = mapped_column(Boolean)
+    owner_key: Mapped[str] = mapped_column(Text, server_default="")
+    model_family: Mapped[str | None] = mapped_column(String(128))
+    signature: Mapped[str] = mapped_column(String(64))
+    """``analysis.figures.scaling_signature`` of the config without its parallel-layout keys"""
+    device_type: Mapped[str | None] = mapped_column(String(64))
+    from_world_size: Mapped[int] = mapped_column(Integer)
+    from_tp: Mapped[int] = mapped_column(Integer)
+    from_pp: Mapped[int] = mapped_column(Integer)
+    step_s: Mapped[float] = mapped_column(Double)
+    mfu: Mapped[float | None] = mapped_column(Double)
+    tokens_per_s: Mapped[float | None] = mapped_column(Double)
+    error_rel: Mapped[float | None] = mapped_column(Double)
+    latest_step_s: Mapped[float] = mapped_column(Double)
+    requests: Mapped[int] = mapped_column(Integer, server_default="1")
+    first_at: Mapped[dt.datetime] = mapped_column(TZ)
+    last_at: Mapped[dt.datetime] = mapped_column(TZ)
+
+
+__all__ += ["RunProjection"]

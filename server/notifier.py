@@ -33,7 +33,7 @@ import uuid
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from .analysis.explain import explanation, metric_label
+from .analysis.explain import explanation, format_bandwidth, metric_label
 from .logutil import Throttle, log_throttled
 
 __all__ = ["Notifier", "slack_message", "webhook_payload", "alertmanager_alert", "format_value", "explain_alert",
@@ -164,6 +164,7 @@ _KIND_TITLE = {
     "step_time_shift": "Step time shift within a run",
     "straggler": "Straggler",
     "slow_node": "Slow node",
+    "device": "GPU trouble",
 }
 _METRIC_NAME = {
     "tokens_per_s_per_gpu": "tokens/s per GPU",
@@ -171,6 +172,7 @@ _METRIC_NAME = {
     "mfu": "MFU",
     "straggler_slowdown": "slowest rank's work vs the median rank",
     "node_network_slowdown": "node's collectives vs the median rank",
+    "device_trouble_ranks": "ranks whose GPU logged errors or throttled for heat",
 }
 
 
@@ -187,7 +189,7 @@ def format_value(v: float | None, unit: str) -> str:
     if unit == "B":
         return f"{v / 2**30:.1f} GiB"
     if unit == "B/s":
-        return f"{v / 1e9:.1f} GB/s"
+        return format_bandwidth(v)
     if abs(v) >= 1e4:
         return f"{v:,.0f} {unit}"
     return f"{v:.4g} {unit}"
@@ -218,7 +220,7 @@ def explain_alert(alert: dict[str, Any], *, slack: bool = False) -> str | None:
 
 #: the Slack header of a fired alert, per kind (a straggler is not posted as a "Regression")
 _HEADER = {"run_series": "Regression", "benchmark": "Regression", "step_time_shift": "Step time shift",
-           "straggler": "Straggler", "slow_node": "Slow node"}
+           "straggler": "Straggler", "slow_node": "Slow node", "device": "GPU trouble"}
 #: the events the notifier delivers: an alert raised, reopened (its recovery did not last), acknowledged, resolved
 EVENTS = ("fired", "reopened", "acknowledged", "resolved")
 
@@ -286,6 +288,10 @@ def _context(alert: dict[str, Any]) -> str:
             parts.append(f"*Node:* {_esc(d['node'])} — all {len(d.get('node_ranks') or [])} of its ranks straggle")
         elif (d.get("stragglers") or 0) > 1:
             parts.append(f"*Stragglers:* {d['stragglers']} ranks: {', '.join(map(str, d.get('ranks') or []))}")
+    elif alert["kind"] == "device":
+        parts.append(f"*Run:* {alert.get('run_id')} — {_esc(d.get('text') or '')}")
+        if d.get("nodes"):
+            parts.append(f"*Nodes:* {', '.join(_code(n) for n in d['nodes'][:8])}")
     elif alert["kind"] == "slow_node":
         ratios = []
         if d.get("busbw_ratio") is not None:

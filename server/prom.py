@@ -16,6 +16,8 @@
   failure alert first, then the most recently active. Two more queries. The Prometheus rules
   (docs/prometheus-rules.yml) page on these alert gauges, so a failed run pages although it is not
   live any more.
+* ``devices`` — GPU trouble per node from the agents' device telemetry (``prom_devices``: label ``node`` only,
+  at most 50 nodes, the rest as ``_other``); ``utilisation`` — GPU-hours per team and family (``prom_utilisation``).
 """
 
 from __future__ import annotations
@@ -91,10 +93,26 @@ def scrape_groups(get_state: Callable[[], Any]) -> Callable[[], dict[str, Group]
                 return {}
             return run_gauges(st.engine, int(st.settings.metrics_max_runs))
 
+        def utilisation() -> dict[str, Any]:
+            if not db_ok[0]:
+                return {}
+            from .prom_utilisation import utilisation_gauges  # GPU-hours per team / family, last 24 h
+
+            return utilisation_gauges(st.engine)
+
+        def devices() -> dict[str, Any]:
+            if not db_ok[0]:
+                return {}
+            from .prom_devices import device_gauges  # GPU trouble per node (throttling, XID, ECC), last 24 h
+
+            return device_gauges(st.engine)
+
         out: dict[str, Group] = {"instance": instance, "database": database}
         if st.settings.cluster_metrics:
             out["cluster"] = cluster
             out["runs"] = runs
+            out["utilisation"] = utilisation
+            out["devices"] = devices
         return out
 
     return groups

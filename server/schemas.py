@@ -163,6 +163,25 @@ class Goodput(BaseModel):
     lost: dict[str, float]
 
 
+class SetApart(BaseModel):
+    """Steps set apart from the steady-state basis for one reason (docs/metrics.md "Steady-state basis")."""
+
+    reason: str = Field(description="compile | checkpoint | eval | warm-up | outlier")
+    steps: list[int] = Field(description="their step numbers (at most 100 listed)")
+    n: int = Field(description="how many")
+    seconds: float = Field(description="their total step time")
+
+
+class Basis(BaseModel):
+    """The steps every figure of the summary is computed on (docs/metrics.md "Steady-state basis")."""
+
+    steps: int = Field(description="steps the figures are over")
+    of: int = Field(description="compacted steps of the run")
+    set_apart: list[SetApart]
+    rule: str
+    fallback: str | None = Field(None, description="why every step was kept although some were marked")
+
+
 class FlopsPerRankStep(BaseModel):
     """FLOPs one rank executes in one optimizer step (median over steps), and their source."""
 
@@ -185,6 +204,7 @@ class SummaryResponse(BaseModel):
     bottlenecks: list[Bottleneck]
     # every other key the summary returns (reports.run_summary; docs/api.md and docs/metrics.md describe them)
     steps: int | None = None
+    basis: Basis | None = None
     phases: dict[str, Any] | None = Field(None, description="forward/backward/optimizer and custom phases: "
                                                                       "median seconds per step")
     comm_total_s: float | None = None

@@ -109,12 +109,25 @@ class Settings(BaseSettings):
         "that of a token not revoked; the list of prefixes is re-read at most this often (a token created "
         "since is known within this time)"))
 
+    # device telemetry from outside the job (server/dcgm.py, docs/operations.md "GPU telemetry from dcgm-exporter")
+    dcgm_targets: Annotated[list[str], NoDecode] = Field(default_factory=list, description=(
+        "dcgm-exporter scrape URLs, one per node: NODE=URL, comma-separated, or @FILE with one per line (NODE: "
+        "the node name the job's ranks report). Joined to the ranks on that node of running runs without agent "
+        "telemetry"))
+    dcgm_prometheus_url: str | None = Field(default=None, description=(
+        "Prometheus base URL holding dcgm-exporter's series (http://prometheus:9090): read with one instant "
+        "query per pass instead of (or besides) dcgm_targets"))
+    dcgm_node_label: str = Field(default="Hostname", max_length=128, description=(
+        "the label naming the node in dcgm-exporter's series (Hostname; kubernetes_node or node under Kubernetes)"))
+    dcgm_interval_s: float = Field(default=30.0, ge=1.0, le=3600, description="how often dcgm-exporter is read")
+    dcgm_timeout_s: float = Field(default=5.0, gt=0, le=60, description="the time one scrape / query may take")
+
     @field_validator("retention_overrides", mode="before")
     @classmethod
     def _overrides(cls, v: Any) -> Any:
         return parse_overrides(v)
 
-    @field_validator("allowed_hosts", "forwarded_allow_ips", mode="before")
+    @field_validator("allowed_hosts", "forwarded_allow_ips", "dcgm_targets", mode="before")
     @classmethod
     def _comma_separated(cls, v: Any) -> Any:
         """FLEETSCOPE_ALLOWED_HOSTS=a.example.com,b.example.com"""
@@ -136,6 +149,17 @@ class Settings(BaseSettings):
             except ValueError:
                 raise ValueError(f"forwarded_allow_ips: {a[:80]!r} is not an IP address or network "
                                  "(give addresses or CIDR networks, comma-separated, or '*')") from None
+        return v
+
+    @field_validator("dcgm_targets")
+    @classmethod
+    def _dcgm_targets(cls, v: list[str]) -> list[str]:
+        """Each entry NODE=URL or @FILE (checked when the reader starts: the file may change)."""
+        for a in v:
+            node, sep, url = a.partition("=")
+            if not a.startswith("@") and (not sep or not node.strip() or not url.strip().startswith(("http://", "https://"))):
+                raise ValueError(f"dcgm_targets: {a[:80]!r} is not NODE=URL (e.g. node0001=http://node0001:9400/metrics) "
+                                 "or @FILE")
         return v
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from fleetscope.wire import COLLECTIVE_OPS, SECTIONS, WIRE_VERSION, Field
 
-from . import health_wire, scalars_wire
+from . import device_wire, health_wire, scalars_wire
 from .groups import Group, from_progression, from_ranks
 from .jsonsafe import MAX_ITEMS, UnsafeValue, check_json, check_text
 from .limits import (
@@ -24,6 +24,7 @@ from .limits import (
     MAX_GROUP_RANKS_LISTED,
     MAX_HIST_BINS,
     MAX_HIST_COUNT,
+    MAX_MEMORY_MODULES_VALUES,
     MAX_MICROBATCHES,
     MAX_PIPELINE_STAGES,
     MAX_REASON_CHARS,
@@ -621,6 +622,8 @@ _KIND_CHECKS: dict[str, Callable[[dict[str, Any], str], bool]] = {
 _KIND_CHECKS.update(health_wire.kind_checks(BatchError))
 # training scalars (run.log): {name: finite number}, stored in run_scalars (store/scalars.py)
 _KIND_CHECKS.update(scalars_wire.kind_checks(BatchError))
+# device telemetry (NVML per rank and window), stored in run_devices (store/devices.py)
+_KIND_CHECKS.update(device_wire.kind_checks(BatchError))
 
 
 def _event_data(kind: str, data: dict[str, Any], where: str) -> tuple[dict[str, Any], bool]:
@@ -629,6 +632,9 @@ def _event_data(kind: str, data: dict[str, Any], where: str) -> tuple[dict[str, 
     check = _KIND_CHECKS.get(kind)
     if kind == "trace_summary":  # the agent's trace reduction: bounded more loosely (MAX_TRACE_SUMMARY_VALUES)
         _json(data, where, MAX_TRACE_SUMMARY_VALUES, "MAX_TRACE_SUMMARY_VALUES")
+        return data, False
+    if kind == "memory_modules":  # memory per module (columns of ≤ 256 modules): MAX_MEMORY_MODULES_VALUES
+        _json(data, where, MAX_MEMORY_MODULES_VALUES, "MAX_MEMORY_MODULES_VALUES")
         return data, False
     if kind != "compile_summary":
         _json(data, where, MAX_EVENT_VALUES)

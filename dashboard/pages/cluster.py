@@ -1,7 +1,9 @@
 """Cluster (``/cluster?node=N``): nodes ranked by how often they slowed a job — a rank of theirs was a
 straggler, or the node's collectives were slower than its peers' (network-slow) — with their median
 busbw ratio over runs and their latest per-node microbenchmarks (``fleetscope bench``); one node's
-runs below when chosen. Read through ``reports.node_list`` / ``reports.node_detail`` (``GET /api/v1/nodes``)."""
+runs below when chosen. Read through ``reports.node_list`` / ``reports.node_detail`` (``GET /api/v1/nodes``).
+Beside the table, nodes ranked by device trouble from the agents' GPU telemetry (``reports.node_device_trouble``,
+``GET /api/v1/devices/nodes``): XID events, ECC errors, the share of telemetry time throttled."""
 
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ CHART = "cluster-chart"
 TABLE = "cluster-table"
 DETAIL = "cluster-detail"
 EMPTY = "cluster-empty"
+DEVICES = "cluster-devices"
+DEVICE_NODES = 20  # nodes listed by device trouble, worst first
+DEVICE_READ = 500  # nodes read to rank (the store orders by runs throttled; the page by errors, then share)
 CHART_NODES = 30  # nodes drawn in the chart (the worst of the table's)
 TABLE_NODES = 50  # nodes listed, worst first ("showing N of M" says how many more; GET /api/v1/nodes pages through all): Dash renders ~3 ms per cell, 200 rows took 7 s
 
@@ -64,7 +69,11 @@ def layout(node: str | None = None, **_: Any) -> html.Div:
         loading(html.Div(id=KPIS)),
         section(None, loading(graph(CHART))),
         loading(html.Div(id=DETAIL)),
-        section("Nodes", loading(html.Div(id=TABLE))),
+        html.Div([
+            section("Nodes", loading(html.Div(id=TABLE)), cls="fs-cluster-nodes"),
+            section("Device trouble", loading(html.Div(id=DEVICES)), sid="cluster-device-section",
+                    cls="fs-cluster-devices"),
+        ], className="fs-row fs-cluster-split"),
     ])
 
 
@@ -141,6 +150,29 @@ def _fill(node: str | None) -> tuple[Any, ...]:
     shown = html.Div(f"Showing the {len(nodes):,} worst of {data['total']:,} nodes" if data["total"] > len(nodes)
                      else f"Showing all {len(nodes):,} nodes", className="fs-muted", id="cluster-shown")
     return kpis, slowed_figure(nodes), html.Div([shown, _table(nodes)]), _detail(node)
+
+
+def _device_table(nodes: list[dict[str, Any]]) -> Any:
+    bad = reports.rank_device_nodes(nodes)
+    if not bad:
+        return html.Div(f"No GPU throttled or logged XID / ECC errors on the {len(nodes):,} node(s) with device "
+                        "telemetry." if nodes else "No device telemetry yet (the agent sends it from jobs on NVIDIA "
+                        "GPUs; fleetscope simulate --throttle RANK:REASON for a test).", className="fs-muted",
+                        id="cluster-devices-none")
+    rows = [[i, dcc.Link(n["node"], href=f"/cluster?node={quote(n['node'], safe='')}"), n["xid_windows"],
+             n["ecc_errors"], fmt_pct(n["throttled_share"], 0), f"{n['runs_throttled']} of {n['runs']}"]
+            for i, n in enumerate(bad[:DEVICE_NODES], 1)]
+    shown = html.Div(f"{len(bad):,} of {len(nodes):,} node(s) with telemetry had trouble"
+                     + (f"; the {DEVICE_NODES} worst" if len(bad) > DEVICE_NODES else ""), className="fs-muted")
+    return html.Div([shown, simple_table(["#", "node", "XID windows", "ECC errors", "time throttled", "runs throttled"],
+                                         rows, numeric=(0, 2, 3, 4), tid="cluster-device-nodes",
+                                         row_classes=["fs-differs" if n["xid_windows"] or n["ecc_errors"] else ""
+                                                      for n in bad[:DEVICE_NODES]])])
+
+
+@callback(Output(DEVICES, "children"), Input(NODE, "value"))
+def _fill_devices(_node: str | None) -> Any:
+    return _device_table(reports.node_device_trouble(_state.engine(), limit=DEVICE_READ))
 
 
 clientside_callback(f"function(n) {{ return ({URL_SYNC_JS})([['node', n]]); }}", Output(URL, "data"), Input(NODE, "value"))

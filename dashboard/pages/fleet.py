@@ -136,13 +136,13 @@ def _failed_row(why: str, r: Any) -> dict[str, Any]:
 
 
 def _bottleneck(top: dict[str, Any] | None) -> str:
-    """The top bottleneck's share and Amdahl ceiling (unbounded when it is the whole step)."""
+    """The top bottleneck's share and Amdahl ceiling ("no ceiling" for compute, under 10 % or over 90 %)."""
     if not top:
         return "–"
     share = top.get("share")
     ceiling = top.get("max_speedup")
     return (f"{top.get('component') or '?'} {f'{share * 100:.0f} %' if share is not None else '–'} · "
-            + (f"≤{ceiling:.2f}×" if ceiling else "unbounded"))
+            + (f"≤{ceiling:.2f}×" if ceiling else "no ceiling"))
 
 
 @contained("fleet row", fallback=_failed_row, key=lambda r: f"run {r.get('id')}" if isinstance(r, dict) else "")

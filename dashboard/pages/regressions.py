@@ -23,7 +23,7 @@ from ..components import (
     section,
     simple_table,
 )
-from ..theme import fmt_time
+from ..theme import fmt_bw, fmt_time
 
 dash.register_page(__name__, path="/regressions", name="Regressions", title="fleetscope · regressions", order=4)
 
@@ -46,7 +46,7 @@ def _fmt_val(metric: str | None, v: Any, unit: str | None = None) -> str:
     if unit == "B":
         return f"{v / 2**30:.1f} GiB"
     if unit == "B/s":
-        return f"{v / 1e9:.1f} GB/s"
+        return fmt_bw(v)
     if unit == "s" or (not unit and metric and metric.endswith("_s") and not metric.startswith("tokens")):
         return f"{v * 1e3:.1f} ms" if abs(v) < 1 else f"{v:.2f} s"
     return f"{v:.4g}" + (f" {unit}" if unit else "")

@@ -18,7 +18,7 @@ import dash
 from dash import Input, Output, clientside_callback, dcc, html
 from fleetscope.server import reports
 
-from .. import _state, rank_panel, scalars_panel
+from .. import _state, device_panel, memory_modules_panel, projection_panel, rank_panel, scalars_panel
 from .. import figures as F
 from ..components import (
     URL_SYNC_JS,
@@ -29,6 +29,7 @@ from ..components import (
     kpi,
     kpi_strip,
     loading,
+    mfu_kpi,
     page_header,
     render_error,
     section,
@@ -36,7 +37,7 @@ from ..components import (
     status_badge,
 )
 from ..health_panel import attempts_table, health_panel, run_health
-from ..theme import COMPONENT_COLORS, fmt_bytes, fmt_num, fmt_pct, fmt_s, fmt_time
+from ..theme import COMPONENT_COLORS, fmt_bw, fmt_bytes, fmt_num, fmt_pct, fmt_s, fmt_time
 
 dash.register_page(__name__, path_template="/runs/<run_id>", name="Run", title="fleetscope · run", order=1)
 
@@ -130,16 +131,19 @@ def layout(run_id: str | None = None, heat: str | None = None, agg: str | None =
             dcc.RadioItems(id=HEAT_AGG, options=[{"label": a, "value": a} for a in ("max", "mean", "min")],
                            value=agg, inline=True, className="fs-radio"),
         ], className="fs-inline")),
+        device_panel.device_section(rid),  # per-rank GPU telemetry beside the heatmap (dashboard/device_panel.py)
         section(None, [loading(graph(STRAGGLERS)), loading(html.Div(id=STRAGGLER_TABLE))]),
         rank_panel.rank_section(run, _rank_param(rank, int(run.get("world_size") or 1))),
         html.Div([section(None, loading(graph(THROUGHPUT)), cls="fs-col-6"),
                   section(None, loading(graph(MEMORY)), cls="fs-col-6")], className="fs-row"),
+        memory_modules_panel.memory_modules_section(),  # memory per module, peak parts, checkpointing advice
         section(None, html.Div([html.Div(loading(graph(COLLECTIVES)), className="fs-col-6"),
                                          html.Div(loading(html.Div(id=COLLECTIVE_TABLE)), className="fs-col-6 fs-scroll")],
                                         className="fs-row")),
         loading(html.Div(id=COMM_DIMS)),
         loading(html.Div(id=PIPELINE)),
         loading(html.Div(id=OVERLAP)),
+        projection_panel.what_if_section(rid, run, _),  # step / MFU / tokens/s at another layout (?ws=&tp=&pp=&mb=)
         section(None, loading(graph(MODALITY))),
         loading(html.Div(id=BALANCE)),
         loading(html.Div(id=EXTRAS)),
@@ -224,7 +228,7 @@ def _bottleneck_panel(summary: dict[str, Any], report: dict[str, Any]) -> html.D
     top = ranking[0]
     rows = []
     for r in ranking[:5]:
-        ceiling = f"≤ {r['max_speedup']:.2f}×" if r.get("max_speedup") else "unbounded"
+        ceiling = f"≤ {r['max_speedup']:.2f}×" if r.get("max_speedup") else "–"  # only a ranked, physical one
         rows.append(html.Div([
             html.Div(r["component"], className="fs-bn-name"),
             html.Div(html.Div(style={"width": f"{max(r['share'], 0.002) * 100:.1f}%",
@@ -290,7 +294,9 @@ def _diagnosis_panel(summary: dict[str, Any]) -> Any:
         html.Ul(advice, className="fs-list", id=f"{DIAGNOSIS}-advice") if advice else
         html.Div("No advice: no ranked cause has a change that the data supports.", className="fs-muted",
                  id=f"{DIAGNOSIS}-advice"),
-        html.Div([html.Div(n) for n in d.get("notes") or []], className="fs-footnote", id=f"{DIAGNOSIS}-notes"),
+        html.Div([html.Div(n) for n in [*([f"On the steady-state basis: {F.basis_text(summary.get('basis'))}."]
+                                           if F.basis_text(summary.get("basis")) else []), *(d.get("notes") or [])]],
+                 className="fs-footnote", id=f"{DIAGNOSIS}-notes"),
     ], id=f"{DIAGNOSIS}-panel")
 
 
@@ -407,9 +413,7 @@ def _kpis(summary: dict[str, Any]) -> list[Any]:
     ws = (summary.get("run") or {}).get("world_size") or 1
     return [
         kpi("step p50", fmt_s(d.get("step_s")), f"p95 slowest rank {fmt_s(summary.get('step_s_p95'))}"),
-        kpi("MFU", "flagged", summary["mfu_flag"], tone="bad", kid="run-mfu") if summary.get("mfu_flag") else
-        kpi("MFU", fmt_pct(summary.get("mfu")), "estimated" if summary.get("mfu_estimated") else (summary.get("flops_source") or ""),
-            kid="run-mfu"),
+        mfu_kpi(summary),  # flagged / no peak for this device / not measured / the figure (components.mfu_kpi)
         kpi("HFU", "flagged", summary["hfu_flag"], tone="bad", kid="run-hfu") if summary.get("hfu_flag") else
         kpi("HFU", fmt_pct(summary.get("hfu")),
             (f"recompute +{fmt_pct(summary['recompute_overhead'], 0)} FLOPs" if summary.get("recompute_overhead")
@@ -425,7 +429,19 @@ def _kpis(summary: dict[str, Any]) -> list[Any]:
         kpi("packing", fmt_pct(summary.get("packing_efficiency")), "real ÷ padded tokens"),
         kpi("records", f"{fmt_num(summary.get('rank_steps'))} rank-steps",
             f"{summary.get('steps') or 0:,} steps × {ws:,} ranks"),
+        _basis_kpi(summary.get("basis")),
     ]
+
+
+def _basis_kpi(basis: dict[str, Any] | None) -> Any:
+    """The tile saying which steps every figure of the page is over, and what was set apart."""
+    text = F.basis_text(basis)
+    head, _, rest = (text or "–").partition("; ")
+    return html.Div([html.Div("steady-state basis", className="fs-kpi-label"), html.Div(head, className="fs-kpi-value"),
+                     html.Div(rest or ("none set apart" if text else "no steps yet"), className="fs-kpi-sub")],
+                    className="fs-kpi", id="run-basis",
+                    title="KPIs, shares, bottlenecks and the diagnosis are over these steps; set-apart time is lost "
+                          f"time in goodput. {(basis or {}).get('rule') or ''}")
 
 
 def _memory_kpi(summary: dict[str, Any]) -> Any:
@@ -507,7 +523,11 @@ def _compile(rid: int) -> Any:
 
 @callback(Output(HEATMAP, "figure"), Input(RUN, "data"), Input(HEAT_FIELD, "value"), Input(HEAT_AGG, "value"))
 def _heatmap(rid: int, field: str, agg: str) -> Any:
-    return F.heatmap_figure(reports.rank_heatmap(_state.engine(), rid, field=field or "work_s", how=agg or "max"))
+    eng = _state.engine()
+    basis = (reports.run_page_summary(eng, rid) or {}).get("basis") or {}
+    apart = [s for x in basis.get("set_apart") or [] for s in x.get("steps") or []]
+    # the colour range is the steady steps': compile and warm-up steps are drawn, clipped at its top
+    return F.heatmap_figure(reports.rank_heatmap(eng, rid, field=field or "work_s", how=agg or "max"), set_apart=apart)
 
 
 @callback(Output(STRAGGLERS, "figure"), Output(STRAGGLER_TABLE, "children"), Input(RUN, "data"))
@@ -562,10 +582,10 @@ def _collective_table(view: dict[str, Any]) -> Any:
             "No collectives recorded", "torch.distributed collectives appear here once the agent is initialised in the job.")
     body = [[r["op"], r["group_size"], fmt_bytes(r["size_bucket_bytes"]), f"{r['calls']:,}", fmt_s(r["total_s"]),
              fmt_s(r.get("exposed_s")),
-             f"{r['busbw_bytes_per_s'] / 1e9:.1f}" if r.get("busbw_bytes_per_s") is not None else "–",
+             fmt_bw(r.get("busbw_bytes_per_s")),
              r.get("link") or "–",
              fmt_pct(r.get("efficiency"), 0) if r.get("efficiency") is not None else "n/a"] for r in rows[:40]]
-    table = simple_table(["op", "n", "size/call ≥", "calls", "total", "exposed", "busbw (GB/s)", "link", "eff. vs peak"],
+    table = simple_table(["op", "n", "size/call ≥", "calls", "total", "exposed", "busbw", "link", "eff. vs peak"],
                          body, numeric=(1, 2, 3, 4, 5, 6, 8), tid="run-collective-rows")
     eff = view.get("efficiency_large_messages")
     foot = [f"Time-weighted efficiency of messages ≥ 1 MiB: {eff * 100:.0f} % of link peak." if eff is not None else None,
@@ -811,6 +831,8 @@ def _kernels(rid: int) -> Any:
 
 
 clientside_callback(
-    f"function(h, a, r) {{ return ({URL_SYNC_JS})([['heat', h], ['agg', a], ['rank', r]]); }}",
+    f"function(h, a, r, ws, tp, pp, mb) {{ return ({URL_SYNC_JS})([['heat', h], ['agg', a], ['rank', r], "
+    "['ws', ws], ['tp', tp], ['pp', pp], ['mb', mb]]); }",
     Output(URL, "data"), Input(HEAT_FIELD, "value"), Input(HEAT_AGG, "value"), Input(rank_panel.RANK_PICK, "value"),
+    *projection_panel.url_inputs(),
 )

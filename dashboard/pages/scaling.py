@@ -10,7 +10,7 @@ import dash
 from dash import Input, Output, State, clientside_callback, dcc, html
 from fleetscope.server import reports
 
-from .. import _state
+from .. import _state, projection_panel
 from .. import figures as F
 from ..components import (
     URL_SYNC_JS,
@@ -23,7 +23,7 @@ from ..components import (
     section,
     simple_table,
 )
-from ..theme import fmt_num, fmt_pct, fmt_s
+from ..theme import SERIES_COLORS, fmt_num, fmt_pct, fmt_s
 
 dash.register_page(__name__, path="/scaling", name="Scaling", title="fleetscope · scaling", order=2)
 
@@ -37,6 +37,7 @@ TABLE = "scaling-table"
 EMPTY = "scaling-empty"
 HAND = "scaling-hand"
 APART = "scaling-apart"
+TRACK = "scaling-track"
 MAX_CONFIGS = 4
 
 
@@ -70,6 +71,7 @@ def layout(family: str | None = None, exclude: str | None = None, include: str |
         section(None, loading(graph(COMM_DIMS))),
         section("Points", loading(html.Div(id=TABLE))),
         section("Set apart", loading(html.Div(id=APART))),
+        section("Projection track record", loading(html.Div(id=TRACK))),
     ])
 
 
@@ -99,11 +101,25 @@ def _fill(family: str, hand: dict[str, Any] | None = None) -> tuple[Any, ...]:
     if not cfgs:
         e = empty_state(f"No runs of {family} with throughput yet", "Runs need tokens per step to be placed on the curve.")
         return F.scaling_throughput_figure(data), F.scaling_efficiency_figure(data), [], F.scaling_comm_dims_figure(data), e
+    # projected throughput from each configuration's smallest run, dashed with its error band (estimated)
+    proj = reports.scaling_projections(_state.engine(), family, exclude=hand.get("exclude") or (),
+                                       include=hand.get("include") or ())
+    through = projection_panel.add_projected_traces(F.scaling_throughput_figure(data), proj,
+                                                    [g["config"] for g in cfgs], list(SERIES_COLORS))
     width = 12 // max(1, min(len(cfgs), 2))
     decs = [section(None, graph(f"{DECOMP}-{i}", F.scaling_decomposition_figure(g)), cls=f"fs-col-{width}")
             for i, g in enumerate(cfgs)]
-    return (F.scaling_throughput_figure(data), F.scaling_efficiency_figure(data), decs, F.scaling_comm_dims_figure(data),
+    return (through, F.scaling_efficiency_figure(data), decs, F.scaling_comm_dims_figure(data),
             _points_table(cfgs))
+
+
+@callback(Output(TRACK, "children"), Input(FAMILY, "value"))
+def _track(family: str) -> Any:
+    note = html.P("Each projection asked of a run (the run page's what-if panel, GET /runs/{id}/projection) is checked "
+                  "against the runs of the same configuration later measured at that size; the back-test projects "
+                  "each configuration's smallest run to its other sizes without their measurements.",
+                  className="fs-muted")
+    return [note, projection_panel.track_record_table(reports.track_record(_state.engine(), family))]
 
 
 @contained("scaling points")

@@ -6,6 +6,11 @@ that waiting *inside* its collectives, so the wait is carved out of its exposed 
 twice); shares are sums over steps divided by the summed total, so they add up to 1
 (``figures.component_shares``). Eliminating a component of share p speeds a step up by at most
 1/(1 − p). Components are ranked by that ceiling; findings name a cause where the data shows one.
+
+The ceiling is given (``max_speedup``) only where it is physical (:func:`physical_ceiling`): not for
+compute (the work itself: no step is faster without it), not for a part under 10 % of the step (not
+a cause worth a ceiling) nor over 90 % (nearly the whole step: no one change removes it). "Most ranks"
+is said only of more than half of the ranks (each rank's own data share).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import numpy as np
 from ..store.rows import RankRollups
 from .figures import RunFigures, amdahl_ceiling
 
-__all__ = ["bottleneck_report", "summary_bottlenecks", "data_stall_ranks", "FINDING_LIMITS"]
+__all__ = ["bottleneck_report", "summary_bottlenecks", "data_stall_ranks", "data_share_ranks", "physical_ceiling",
+           "base_finding", "FINDING_LIMITS"]
 
 #: thresholds of the findings (documented in docs/analysis.md)
 FINDING_LIMITS = {
@@ -30,6 +36,8 @@ FINDING_LIMITS = {
     "data_rank_share": 0.05,  # ... and at least 5 % of its step time
     "data_share_high": 0.1,  # data loading at least 10 % of the step on most ranks
     "straggler_share": 0.02,  # waiting for stragglers at least 2 % of the step
+    "ceiling_min_share": 0.10,  # an Amdahl ceiling for parts from 10 % of the step ...
+    "ceiling_max_share": 0.90,  # ... up to 90 % of it (compute: never)
 }
 
 _NAMES = {
@@ -45,9 +53,44 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%" if x >= 0.01 else f"{100 * x:.1f}%"
 
 
+def physical_ceiling(component: str, share: float) -> float | None:
+    """1 / (1 − share) when removing the part is a physical bound worth stating: not compute, and the
+    share within [``ceiling_min_share``, ``ceiling_max_share``]; else None."""
+    lim = FINDING_LIMITS
+    if component == "compute" or not (lim["ceiling_min_share"] <= share <= lim["ceiling_max_share"]):
+        return None
+    return amdahl_ceiling(share)
+
+
+def base_finding(component: str, share: float, max_speedup: float | None) -> str:
+    """A component's plain-words statement: its share, and its ceiling when there is one (else why not)."""
+    head = f"{_NAMES.get(component, component)}: {_pct(share)} of step time"
+    if max_speedup is not None:
+        return f"{head}; removing it entirely would speed steps up at most {max_speedup:.2f}x"
+    if component == "compute":
+        return f"{head}; it is the work itself: no ceiling from removing it"
+    return f"{head}; no ceiling shown (given for a ranked cause between 10 % and 90 % of the step)"
+
+
+def _rank_data_shares(roll: RankRollups | None) -> np.ndarray:
+    if roll is None:
+        return np.empty(0)
+    a = roll.arr
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(a["step_s"] > 0, a["data_s"] / a["step_s"], np.nan)
+
+
+def data_share_ranks(roll: RankRollups | None) -> tuple[int, int]:
+    """(ranks spending at least ``data_share_high`` of their own step in data, ranks with a known share)."""
+    share = _rank_data_shares(roll)
+    known = share[np.isfinite(share)]
+    return int((known >= FINDING_LIMITS["data_share_high"]).sum()), int(known.size)
+
+
 def data_stall_ranks(roll: RankRollups | None, hosts: dict[int, tuple[str | None, str | None]]) -> list[dict[str, Any]]:
-    """Ranks whose data share (Σ data / Σ step over their steps) is far above the median rank's — a
-    minority of them ("some ranks only"); when most ranks stall it is the data component's own finding."""
+    """Ranks whose data share (Σ data / Σ step over their steps) is far above the typical rank's (the
+    lower median: with two ranks, the other one) — at most half of them ("some ranks only"); when more
+    than half stall it is the data component's own finding ("most ranks")."""
     if roll is None:
         return []
     a = roll.arr
@@ -55,26 +98,27 @@ def data_stall_ranks(roll: RankRollups | None, hosts: dict[int, tuple[str | None
     if n < 2:
         return []
     lim = FINDING_LIMITS
-    with np.errstate(invalid="ignore", divide="ignore"):
-        share = np.where(a["step_s"] != 0, a["data_s"] / a["step_s"], np.nan)
-    known = share[np.isfinite(share)]
-    med = float(np.median(known)) if known.size else 0.0
+    share = _rank_data_shares(roll)
+    known = np.sort(share[np.isfinite(share)])
+    med = float(known[(known.size - 1) // 2]) if known.size else 0.0
     bar = max(lim["data_rank_share"], lim["data_rank_factor"] * max(med, 1e-9))
     hit = np.flatnonzero((a["step_s"] > 0) & (np.nan_to_num(share, nan=-np.inf) >= bar))
-    hit = hit[np.argsort(-share[hit], kind="stable")][: n // 4 + 1]
-    if len(hit) > n // 4:
+    hit = hit[np.argsort(-share[hit], kind="stable")]
+    if len(hit) * 2 > n:
         return []
     return [{"rank": int(a["rank"][j]), "host": hosts.get(int(a["rank"][j]), (None, None))[0],
              "data_share": float(share[j])} for j in hit]
 
 
 def bottleneck_report(run_id: int, fig: RunFigures, *, efficiency_large_messages: float | None,
-                      stall_ranks: list[dict[str, Any]], stragglers: dict[str, Any] | None) -> dict[str, Any]:
+                      stall_ranks: list[dict[str, Any]], stragglers: dict[str, Any] | None,
+                      data_ranks: tuple[int, int] | None = None) -> dict[str, Any]:
     """The bottleneck report: components ranked by Amdahl ceiling, each with its findings.
 
     ``efficiency_large_messages``: time-weighted busbw efficiency of ≥ 1 MiB collectives
     (``collectives.collective_efficiency``); ``stall_ranks``: :func:`data_stall_ranks`;
-    ``stragglers``: the straggler report (``stragglers.straggler_report``)."""
+    ``stragglers``: the straggler report (``stragglers.straggler_report``); ``data_ranks``:
+    :func:`data_share_ranks` (None: per-rank shares unknown, the cross-rank median decides alone)."""
     out: dict[str, Any] = {"run_id": run_id, "components": [], "findings": []}
     shares = fig.shares
     if not fig.steps or shares is None:
@@ -128,8 +172,11 @@ def bottleneck_report(run_id: int, fig: RunFigures, *, efficiency_large_messages
             "of their step waiting for input (their loader workers, disk or network)"
         )
     elif shares["data"] >= lim["data_share_high"]:
+        hit, n = data_ranks if data_ranks is not None else (0, 0)
+        where = (f"on most ranks ({hit} of {n})" if n and hit * 2 > n else
+                 f"on {hit} of {n} ranks" if n else "(the cross-rank median)")
         findings["data"].append(
-            f"input pipeline stalls: {_pct(shares['data'])} of the step waits for data on most ranks "
+            f"input pipeline stalls: {_pct(shares['data'])} of the step waits for data {where} "
             "(more loader workers, prefetch, pinned memory)"
         )
     # straggler wait: name the rank / node
@@ -150,10 +197,8 @@ def bottleneck_report(run_id: int, fig: RunFigures, *, efficiency_large_messages
             )
     comps: list[dict[str, Any]] = []
     for k, p in shares.items():
-        ceiling = amdahl_ceiling(p)
-        base = f"{_NAMES[k]}: {_pct(p)} of step time; removing it entirely would speed steps up at most " + (
-            f"{ceiling:.2f}x" if ceiling is not None else "without bound"
-        )
+        ceiling = physical_ceiling(k, p)
+        base = base_finding(k, p, ceiling)
         comps.append({
             "component": k,
             "share": round(p, 6),

@@ -35,6 +35,7 @@ from .figures import COMPONENTS, RunFigures
 __all__ = [
     "WINDOW",
     "MAX_DIFF_KEYS",
+    "format_bandwidth",
     "COMPONENT_KEYS",
     "RunComm",
     "flatten",
@@ -89,6 +90,18 @@ def _fmt_s(v: float) -> str:
     return f"{v * 1e3:.1f} ms"
 
 
+def format_bandwidth(v: float) -> str:
+    """Bytes/s in the unit that keeps three significant digits (B/s … TB/s): never "0.0 GB/s" for a
+    real small value."""
+    a = abs(v)
+    if a == 0:
+        return "0 B/s"
+    for div, suf in ((1e12, "TB/s"), (1e9, "GB/s"), (1e6, "MB/s"), (1e3, "kB/s")):
+        if a >= div:
+            return f"{v / div:.3g} {suf}"
+    return f"{v:.3g} B/s"
+
+
 def format_metric(v: float | None, unit: str | None, metric: str = "") -> str:
     """A value with its unit, human-sized: ms/s for times, % for MFU, GiB for bytes, GB/s for B/s."""
     if v is None or not math.isfinite(v):
@@ -101,7 +114,7 @@ def format_metric(v: float | None, unit: str | None, metric: str = "") -> str:
     if unit == "B":
         return f"{v / 2**30:.1f} GiB"
     if unit == "B/s":
-        return f"{v / 1e9:.1f} GB/s"
+        return format_bandwidth(v)
     if unit == "x":
         return f"{v:.2f}x"
     if unit.startswith("s/"):
@@ -467,8 +480,13 @@ def _straggler_sentence(cause: Mapping[str, Any] | None, diff: Mapping[str, Any]
         b, a = cause.get("before"), cause.get("after")
         lvl = f"{_fmt_s(b)} → {_fmt_s(a)} per step" if b is not None and a is not None \
             else f"+{_fmt_s(cause.get('excess_s') or 0.0)} per step"
-        parts.append(f"{who}: {esc(str(cause.get('label') or cause['component']))} explains "
-                     f"{100 * cause['share_of_change']:.0f} % of its excess ({lvl})")
+        if cause.get("component") is not None:
+            parts.append(f"{who}: {esc(str(cause.get('label') or cause['component']))} explains "
+                         f"{100 * cause['share_of_change']:.0f} % of its excess ({lvl})")
+        dev = cause.get("device")
+        if isinstance(dev, Mapping) and dev.get("text"):  # its GPU's telemetry (analysis/devices.py)
+            text = str(dev["text"])
+            parts.append(text.split("; ", 1)[1] if "; " in text and parts else text)
     if diff:
         where = f"rank {diff.get('rank')} is on {esc(str(diff.get('node') or diff.get('host') or 'an unknown node'))}"
         extra = []

@@ -1,6 +1,9 @@
 """Per-run figures (docs/metrics.md): every number the API and the dashboard show about a run, each
 defined once here, from the run's row and its aggregates over steps (``store.aggregates``).
 
+Every figure is over the run's steady-state steps (``analysis.steady``: compile, checkpoint, eval,
+warm-up and outlier steps set apart); ``RunFigures.basis`` says which, and ``steps`` counts them all.
+
 The per-step quantities (FLOPs per device-second, raw tokens/s, straggler wait) are the SQL
 expressions of ``store.steps.PER_STEP``; the run's constants are applied here: :func:`mfu`,
 :func:`tokens_per_s`, :func:`step_s_per_1k_tokens`, :func:`overlap_ratio`, :func:`component_shares`,
@@ -17,6 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..store.rows import RunAggregate, RunRow
+from .steady import SteadyBasis
 
 __all__ = [
     "RunFigures",
@@ -39,7 +43,7 @@ __all__ = [
 ]
 
 #: bumped when a figure's definition changes: cached figures of another version are recomputed
-FIGURES_VERSION = 5
+FIGURES_VERSION = 6  # 6: the steady-state basis
 
 #: the step-time components in stacking order: (decomposition key, label)
 COMPONENTS = (("data_s", "data"), ("compute_s", "compute"), ("comm_exposed_s", "exposed comm"), ("other_s", "other"))
@@ -154,7 +158,8 @@ def comparable_key(run: RunRow) -> tuple[Any, ...]:
 @dataclass(frozen=True)
 class RunFigures:
     """A run's figures. Medians are over steps of the cross-rank median (``step_s_p95``: over steps of
-    the slowest rank); ``sum_*`` are sums over steps; None where nothing was measured."""
+    the slowest rank); ``sum_*`` are sums over steps; None where nothing was measured. Every median and
+    sum is over the steady-state steps (``basis``); ``steps`` counts every compacted step."""
 
     steps: int = 0
     step_s: float | None = None
@@ -193,6 +198,13 @@ class RunFigures:
     skew_max: float | None = None
     first_ts: float | None = None
     last_ts: float | None = None
+    basis_steps: int | None = None  # the steps the medians and sums are over (None: every step, figures of v5)
+    basis: dict[str, Any] | None = None  # the summary's ``basis`` (``SteadyBasis.as_dict``)
+    set_apart_steps: list[int] | None = None  # every set-apart step number (``basis`` lists ≤ 100 per reason)
+    set_apart_excess: dict[str, float] | None = None  # goodput: {category: s} (``steady.set_apart_excess``)
+    # sums over every step, set-apart ones included: time accounting (straggler time lost), not shares
+    sum_step_all_s: float | None = None
+    sum_wait_all_s: float | None = None
 
     @property
     def decomposition(self) -> dict[str, float | None]:
@@ -207,9 +219,10 @@ class RunFigures:
         return {"v": FIGURES_VERSION, **asdict(self)}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> RunFigures | None:
-        """Figures cached by this version (None for another version's)."""
-        if d.get("v") != FIGURES_VERSION:
+    def from_json(cls, d: dict[str, Any], *, any_version: bool = False) -> RunFigures | None:
+        """Figures cached by this version (None for another version's, unless ``any_version``: what a
+        run whose per-step rows are gone keeps)."""
+        if d.get("v") != FIGURES_VERSION and not any_version:
             return None
         return cls(**{k: d[k] for k in _NAMES if k in d})
 
@@ -217,10 +230,12 @@ class RunFigures:
 _NAMES = frozenset(f.name for f in fields(RunFigures))
 
 
-def run_figures(run: RunRow, a: RunAggregate | None) -> RunFigures:
-    """The run's figures from its aggregates over steps (all None/0 for a run without steps)."""
+def run_figures(run: RunRow, a: RunAggregate | None, basis: SteadyBasis | None = None,
+                excess: dict[str, float] | None = None) -> RunFigures:
+    """The run's figures from its aggregates over the steps of ``basis`` (all None/0 for a run without
+    steps); ``excess``: the set-apart steps' time goodput counts as lost (``steady.set_apart_excess``)."""
     if a is None:
-        return RunFigures()
+        return RunFigures(steps=basis.of if basis is not None else 0)
     mp = run.mp_size
     tps = tokens_per_s(a.tokens_per_s_raw, mp) if a.tokens_per_s_raw is not None else None
     per_gpu = tps / max(int(run.world_size or 1), 1) if tps is not None else None
@@ -232,7 +247,11 @@ def run_figures(run: RunRow, a: RunAggregate | None) -> RunFigures:
     h, h_flag = plausible_utilisation(
         "HFU", mfu(a.hw_flops_per_dev_s, run.peak_flops) if a.hw_flops_per_dev_s is not None and run.peak_flops else None)
     return RunFigures(
-        steps=a.n,
+        steps=basis.of if basis is not None and basis.of else a.n,
+        basis_steps=a.n,
+        basis=basis.as_dict() if basis is not None else None,
+        set_apart_steps=basis.excluded if basis is not None else None,
+        set_apart_excess=dict(excess) if excess else None,
         step_s=a.step_s,
         step_s_p95=a.step_s_max_p95,
         data_s=a.data_s,

@@ -10,6 +10,11 @@
   ranks and runs of ranks, nodes, a few stacks) — whatever the world size. :func:`summarize` builds it
   from loaded positions; ``store.health.wave_summary`` computes the same thing in SQL (the server's
   path: it never loads every rank's row).
+- :func:`is_peer_error`, :class:`SilentNodes`: a failure whose first record is a rank losing its
+  connection to a peer, while some node said nothing at all (no failure record, its own or its
+  launcher's; no live position), is that node's loss: once :func:`settle_s` has passed since the
+  failure, ``evaluate`` names the node lost as the cause (``Verdict.cause`` "node_lost"); before, the
+  failure stands and is re-assessed (``Verdict.settle_until``).
 - :func:`evaluate`: the state machine: ``failed`` (a failure record, or finished as failed) >
   ``finished`` > paused/``running`` > ``hung`` (stalled, and the positions show who waits for whom) >
   ``stalled``; with the finding sentence.
@@ -27,7 +32,7 @@ from typing import Any, Protocol
 __all__ = ["HealthParams", "Verdict", "Wavefront", "WaveSummary", "RankSet", "stall_threshold", "wavefront",
            "summarize", "evaluate", "rank_ranges", "duration", "root_cause", "open_pause", "HEALTH_STATES",
            "PositionLike", "FailureLike", "PauseLike", "redone_steps", "goodput_split", "pause_category",
-           "RANGES_SHOWN"]
+           "RANGES_SHOWN", "SilentNodes", "is_peer_error", "settle_s", "PEER_LOST_MARKS"]
 
 HEALTH_STATES = ("running", "stalled", "hung", "failed", "finished")
 
@@ -282,6 +287,43 @@ def summarize(positions: Sequence[PositionLike], world_size: int, nodes: Mapping
     return out
 
 
+#: what a rank's error says when a peer it talked to went away: a consequence of that peer's end, not a
+#: cause of its own (gloo: "Connection closed by peer", "Connection reset by peer"; NCCL: "remote process
+#: exited or there was a network error"; torch's stores: "Broken pipe", "Connection refused" …)
+PEER_LOST_MARKS = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
+                   "remote process exited", "socket closed", "peer closed", "connection was closed",
+                   "recvbytes", "sendbytes", "failed to recv", "failed to send", "end of file")
+#: exceptions that are about the job's connections, whatever their message says
+PEER_LOST_EXCEPTIONS = ("DistNetworkError", "DistStoreError", "ConnectionResetError", "BrokenPipeError",
+                        "ConnectionRefusedError", "ConnectionAbortedError")
+
+
+def is_peer_error(f: FailureLike) -> bool:
+    """Whether the failure is a rank losing its connection to a peer (or to the job's store): what a
+    node that died causes on every other node."""
+    if f.exception in PEER_LOST_EXCEPTIONS:
+        return True
+    text = f"{f.exception or ''}: {f.message or ''}".lower()
+    return any(m in text for m in PEER_LOST_MARKS)
+
+
+@dataclass
+class SilentNodes:
+    """The ranks of a failed run that never said why they stopped, by node: ``nodes`` — nodes (first
+    ``max_listed``, by code point) none of whose ranks sent a failure record (their own, or their
+    launcher's) nor a position in the last ``silence_s``; ``ranks`` — every rank of those nodes;
+    ``by_node`` — the first nodes with their first ranks; ``unreported`` — ranks in [0, world) the server
+    never heard of at all (no registration, no failure: their node unknown, unless a launcher named it)."""
+
+    nodes: list[str] = field(default_factory=list)
+    count: int = 0
+    ranks: RankSet = field(default_factory=RankSet)
+    by_node: list[dict[str, Any]] = field(default_factory=list)  # [{"node", "ranks", "rank_count"}]
+    unreported: RankSet = field(default_factory=RankSet)
+    #: False: not looked at yet (a big run while its failure settles: the nodes are read once, at the end)
+    checked: bool = True
+
+
 def root_cause(failures: Sequence[FailureLike]) -> FailureLike | None:
     """The first real failure by time (a clean exit, code 0 without exception or signal, is none)."""
     real = [f for f in failures if not (f.exit_code == 0 and not f.exception and not f.signal)]
@@ -331,13 +373,68 @@ class Verdict:
     threshold_s: float | None = None
     step: int | None = None
     alert_finding: str | None = None  # the finding as alerts carry it (None: the same)
+    #: what ended the run: "failure" (a rank's own failure), "node_lost" (a node stopped without a word
+    #: and the others' errors are about losing it), "hang" (stalled or hung); None while it runs
+    cause: str | None = None
+    lost_nodes: list[dict[str, Any]] = field(default_factory=list)  # [{"node", "ranks", "rank_count"}]
+    #: a failure whose cause may still be a node that has not reported yet: re-assessed until this time
+    #: (unix time), its alert held until then
+    settle_until: float | None = None
 
     def detail(self) -> dict[str, Any]:
         return {"waiting": self.waiting, "missing_ranks": self.missing_ranks, "missing_count": self.missing_count,
                 "missing_nodes": self.missing_nodes, "missing_nodes_count": self.missing_nodes_count,
                 "collective": self.collective, "stacks": self.stacks,
                 "stuck": self.stuck, "pause": self.pause, "threshold_s": self.threshold_s, "kind": self.kind,
-                "step": self.step}
+                "step": self.step, "cause": self.cause, "lost_nodes": self.lost_nodes,
+                "settle_until": self.settle_until}
+
+
+def settle_s(p: HealthParams) -> float:
+    """How long after a failure that blames a peer the pass waits for every node to report, before it
+    calls the nodes that said nothing lost: the silence threshold plus a margin for the last sends."""
+    return p.silence_s + 2.0
+
+
+def _node_lost(v: Verdict, name: str, first: FailureLike, n_failed_ranks: int, nodes: Mapping[int, str],
+               silent: SilentNodes, now: float, p: HealthParams) -> None:
+    """The failure's first record is a rank losing a peer, and some nodes said nothing at all: once they
+    had time to (:func:`settle_s` after it), they are the root cause — lost — and the errors are what
+    followed. Before that the failure stands as found, re-assessed (``settle_until``)."""
+    t0 = first.ts if first.ts is not None else now
+    if now - t0 < settle_s(p):
+        v.settle_until = t0 + settle_s(p)
+        return
+    if not silent.checked:
+        return
+    v.cause = "node_lost"
+    lost, unrep = silent.ranks, silent.unreported
+    v.missing_nodes = silent.nodes[:p.max_listed]
+    v.missing_nodes_count = silent.count
+    v.missing_ranks = sorted({*lost.listed, *unrep.listed})[:p.max_listed]
+    v.missing_count = lost.count + unrep.count
+    v.lost_nodes = [dict(n) for n in silent.by_node]
+    if unrep.count:
+        v.lost_nodes.append({"node": None, "ranks": unrep.listed[:64], "rank_count": unrep.count})
+    parts = []
+    if silent.count:
+        n = silent.count
+        nn = ", ".join(silent.nodes[:8]) + (f" and {n - 8} more" if n > 8 else "")
+        whose = "its" if n == 1 else "their"
+        ranks = (f"rank {lost.text()}" if lost.count == 1 else f"{lost.count:,} ranks ({lost.text()})")
+        parts.append(f"node{'s' if n > 1 else ''} {nn} lost — {whose} {ranks} stopped with no failure or exit "
+                     f"reported")
+    if unrep.count:
+        parts.append(f"rank{'s' if unrep.count > 1 else ''} {unrep.text()} (node unknown) never reported")
+    at = f" at step {first.step}" if first.step is not None else ""
+    node = f" (node {nodes[first.rank]})" if first.rank in nodes else ""
+    what = first.exception or (f"signal {first.signal}" if first.signal else None) or (
+        f"exit code {first.exit_code}" if first.exit_code is not None else first.source)
+    others = max(n_failed_ranks - 1, 0)
+    tail = f", {others:,} other rank{'s' if others != 1 else ''} after it" if others else ""
+    v.finding = v.alert_finding = (
+        f"run {name} failed{at}: {'; '.join(parts)}; then rank {first.rank}{node} lost its connection to it "
+        f"({what}){tail}")
 
 
 def open_pause(pauses: Sequence[PauseLike], now: float, p: HealthParams) -> dict[str, Any] | None:
@@ -359,7 +456,8 @@ def evaluate(*, name: str, status: str, world_size: int, steps: int, current_ste
              progress_at: float, p99_step_s: float | None, failures: Sequence[FailureLike], n_failed_ranks: int,
              finished_at: float | None, pauses: Sequence[PauseLike], positions: Sequence[PositionLike] | None,
              nodes: Mapping[int, str], params: HealthParams, last_pause_end: float | None = None,
-             wave: WaveSummary | None = None, pause: dict[str, Any] | None = None) -> Verdict:
+             wave: WaveSummary | None = None, pause: dict[str, Any] | None = None,
+             silent: SilentNodes | None = None) -> Verdict:
     """The run's state now (see the module doc). The wavefront comes from ``wave`` (computed in SQL), else
     from ``positions`` (loaded; None and no ``wave``: not analysed — the run is not stalled, or its analysis
     did not fit its budget). ``nodes``: {rank: node} of the failed ranks at least (the failure finding
@@ -369,9 +467,12 @@ def evaluate(*, name: str, status: str, world_size: int, steps: int, current_ste
     first step after a long checkpoint is not late)."""
     first = root_cause(failures)
     if first is not None:
-        v = Verdict("failed", since=first.ts or finished_at or now, kind="failure", step=first.step)
+        v = Verdict("failed", since=first.ts or finished_at or now, kind="failure", step=first.step, cause="failure")
         v.finding = _failure_sentence(name, first, max(n_failed_ranks - 1, 0), nodes)
         v.alert_finding = _failure_sentence(name, first, max(n_failed_ranks - 1, 0), nodes, message=False)
+        if silent is not None and is_peer_error(first) and (
+                not silent.checked or silent.count or silent.unreported.count):
+            _node_lost(v, name, first, n_failed_ranks, nodes, silent, now, params)
         return v
     if status == "failed":
         return Verdict("failed", since=finished_at, finding=f"run {name} was marked failed")

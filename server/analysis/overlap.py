@@ -20,7 +20,13 @@ data + forward + backward time has elapsed outside waits.
   ``1 − comm_exposed_s / comm_total_s``); ``backward_overlap_ratio`` the same over those issued in backward.
 
 **Advice** (:func:`overlap_advice`) over the timelines of recent steps (each step's median rank),
-each figure the median over steps; only when exposed communication is a top bottleneck.
+each figure the median over steps; only when exposed communication is a top bottleneck, and only
+within what the job's framework can do: DDP cannot split one parameter across buckets, so a smaller
+``bucket_cap_mb`` is never advised below the largest gradient tensor (the agent's ``ddp`` facts; a
+run without them gets no smaller-bucket advice), the first bucket (``first_bucket_bytes``) is left out
+of the buckets' mean size, and FSDP's smaller-units advice needs units larger than the smallest one.
+An item that cannot be given is returned with ``withheld`` (the reason): the diagnosis lists it in its
+notes, never as advice.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ LIMITS = {
     "top_share": 0.10,  # exposed comm at least 10 % of the step ...
     "top_rank": 2,  # ... or first or second in the bottleneck ranking
     "min_gain_share": 0.01,  # a suggestion must be able to remove at least 1 % of the step
+    "min_bucket_cut": 0.25,  # a smaller bucket cap must cut the buckets' mean size by a quarter at least
     "latency_dominates": 0.5,  # per-call overhead ≥ half of the gradient all-reduce time: fewer, larger buckets
     "latency_target": 0.1,  # the suggested bucket keeps the per-call overhead at 10 % of its time
 }
@@ -390,6 +397,7 @@ class _StepFigures:
     grad_op: str | None
     grad_calls: float
     grad_bytes: float
+    grad_min_bytes: float
     grad_exposed: float
     grad_service: float
     group_size: int
@@ -398,6 +406,7 @@ class _StepFigures:
     ag_fwd_exposed: float
     ag_bwd_exposed: float
     ag_bwd_bytes: float
+    ag_bwd_calls: float
     ag_group: int
     samples: list[tuple[float, float]]
 
@@ -417,13 +426,15 @@ def _figures(t: Timeline) -> _StepFigures | None:
     ag_b = [c for c in t.collectives if c.op == "all_gather" and c.phase == "backward" and not _small(c)]
     return _StepFigures(
         step_s=t.step_s, grad_op=op, grad_calls=float(sum(c.calls for c in main)),
-        grad_bytes=float(sum(c.bytes for c in main)), grad_exposed=float(sum(c.exposed_s for c in main)),
+        grad_bytes=float(sum(c.bytes for c in main)),
+        grad_min_bytes=float(min((c.bytes / max(c.calls, 1) for c in main), default=0.0)),
+        grad_exposed=float(sum(c.exposed_s for c in main)),
         grad_service=float(sum(s for _, s in samples)) if len(samples) == len(main) else float(
             sum(c.end_s - c.start_s for c in main)),
         group_size=max((c.group_size for c in main), default=1), tail=t.tail_s or 0.0,
         band=t.backward[1] - t.backward[0], ag_fwd_exposed=float(sum(c.exposed_s for c in ag_f)),
         ag_bwd_exposed=float(sum(c.exposed_s for c in ag_b)), ag_bwd_bytes=float(sum(c.bytes for c in ag_b)),
-        ag_group=max((c.group_size for c in ag_b), default=1), samples=samples)  # fmt: skip
+        ag_bwd_calls=float(sum(c.calls for c in ag_b)), ag_group=max((c.group_size for c in ag_b), default=1), samples=samples)  # fmt: skip
 
 
 def _ms(v: float) -> str:
@@ -448,15 +459,112 @@ def _item(setting: str, suggestion: str, gain: float, step_s: float, why: str) -
             "expected_gain_share": gain / step_s if step_s > 0 else None, "bound": "upper", "why": why}
 
 
+def _withheld(setting: str, why: str) -> dict[str, Any]:
+    """An item that cannot be given (its precondition fails): the reason, no suggestion, no gain."""
+    return {"setting": setting, "suggestion": None, "expected_gain_s": 0.0, "expected_gain_share": 0.0,
+            "bound": "upper", "why": why, "withheld": why}
+
+
+def _num_fact(facts: Mapping[str, Any] | None, key: str) -> float | None:
+    v = (facts or {}).get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _bucket_mean(nbytes: float, n_calls: float, min_call: float, ddp: Mapping[str, Any] | None) -> tuple[float, float, str]:
+    """(mean bytes of the gradient buckets, their number, a note): DDP's first bucket is capped at
+    ``first_bucket_bytes`` (1 MiB with the default cap), so when it is smaller than the cap it is left
+    out of the mean (the smallest all-reduce of the step)."""
+    first = _num_fact(ddp, "first_bucket_bytes")
+    cap = _num_fact(ddp, "bucket_cap_bytes")
+    if first is not None and cap is not None and first < cap and n_calls >= 2 and min_call <= first * 1.01:
+        return (nbytes - min_call) / (n_calls - 1), n_calls - 1, f" besides the first bucket (≤ {_mb(first)} MiB)"
+    return nbytes / max(n_calls, 1.0), n_calls, ""
+
+
+#: the share of a device's memory advice may plan to fill (the rest is headroom: fragmentation, spikes)
+MEMORY_FILL = 0.9
+
+
+def _reshard_items(ag_bytes: float, ag_calls: float, n_ag: int, exposed: float, step: float,
+                   peak: float | None, device_total: float | None,
+                   fsdp: Mapping[str, Any] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(items, withheld) for all-gathers exposed in backward (``exposed`` s per step). Keeping the
+    parameters unsharded from forward to backward (``reshard_after_forward=False``) removes them but
+    holds each unit's gathered bytes less its local shard for the whole step. It is advised only when
+    that fits: measured peak + extra ≤ ``MEMORY_FILL`` × the device's memory — for every unit whose
+    all-gather is exposed, else for as many units as fit (the gain pro rata); when not even one unit fits,
+    or the peak or the device's memory is unknown, it is withheld with its memory cost and backward
+    prefetch (``set_modules_to_backward_prefetch``: one more unit gathered at a time) is advised instead."""
+    keep = (n_ag - 1) / max(n_ag, 1)  # gathered less the local shard
+    extra_all = ag_bytes * keep
+    calls = max(ag_calls, 1.0)
+    big = _num_fact(fsdp, "largest_unit_bytes")
+    unit = big * keep if big is not None and big > 0 else extra_all / calls
+    peak = peak if peak is not None and peak > 0 else None
+    total = device_total if device_total is not None and device_total > 0 else None
+    cost = (f"keeping them unsharded from forward to backward (reshard_after_forward=False) holds ~{_gb(extra_all)} "
+            f"more per rank for all {calls:.0f} units (~{_gb(unit)} per unit: gathered less the local shard)")
+    items: list[dict[str, Any]] = []
+    held: list[dict[str, Any]] = []
+    if peak is not None and total is not None:
+        room = MEMORY_FILL * total - peak
+        fits = f"peak {_gb(peak)} + {{extra}} ≤ {MEMORY_FILL:.0%} of the device's {_gb(total)}"
+        if extra_all <= room:
+            items.append(_item(
+                "reshard_after_forward",
+                "fully_shard(..., reshard_after_forward=False) for the blocks whose all-gather is exposed in backward",
+                exposed, step,
+                f"all-gathers issued in backward expose {_ms(exposed)} per step; {cost}, and it fits: "
+                + fits.format(extra=_gb(extra_all)) + f". At most {_ms(exposed)} ({_pct(exposed / step)} of the step)."))
+            return items, held
+        k = int(room // unit) if unit > 0 and room > 0 else 0
+        k = min(k, int(calls) - 1)
+        if k >= 1:
+            gain = exposed * k / calls
+            items.append(_item(
+                "reshard_after_forward",
+                f"fully_shard(..., reshard_after_forward=False) for at most {k} of the {calls:.0f} blocks whose "
+                "all-gather is exposed in backward (the last ones in forward: the first backward needs)",
+                gain, step,
+                f"all-gathers issued in backward expose {_ms(exposed)} per step; {cost}. All of them do not fit "
+                f"(peak {_gb(peak)} + {_gb(extra_all)} > {MEMORY_FILL:.0%} of the device's {_gb(total)}); {k} "
+                "units do: " + fits.format(extra=_gb(k * unit)) + f". At most {_ms(gain)} ({_pct(gain / step)} "
+                f"of the step: {k} of {calls:.0f} all-gathers)."))
+            return items, held
+        why = (f"{cost}, but the device has no room for even one unit: peak {_gb(peak)} + {_gb(unit)} > "
+               f"{MEMORY_FILL:.0%} of the device's {_gb(total)}")
+    else:
+        known = (f"the peak is {_gb(peak)} per rank" if peak is not None else "the peak memory was not measured")
+        why = (f"{cost}; {known} and the device's memory is not reported to fleetscope (nor is there one on CPU), so "
+               "it is not advised blindly: check that the peak plus that fits before setting it")
+    if exposed >= LIMITS["min_gain_share"] * step:  # else not worth advice: nothing to explain
+        held.append(_withheld("reshard_after_forward", why))
+    items.append(_item(
+        "set_modules_to_backward_prefetch",
+        "issue the backward all-gathers earlier: block.set_modules_to_backward_prefetch([the next blocks in backward]) "
+        "(FSDP2)", exposed, step,
+        f"all-gathers issued in backward expose {_ms(exposed)} per step: backward waits for its parameters. "
+        "Prefetched further ahead they overlap the previous block's backward, for one more unit gathered at a "
+        f"time (~{_gb(unit)} per rank) rather than every unit kept unsharded (~{_gb(extra_all)}, not advised: see "
+        f"the note on reshard_after_forward). At most {_ms(exposed)} ({_pct(exposed / step)} of the step)."))
+    return items, held
+
+
 def overlap_advice(timelines: Sequence[Timeline], *, bottlenecks: Sequence[Mapping[str, Any]],
                    comm_exposed_s: float | None, step_s: float | None,
-                   mem_peak_bytes: float | None = None) -> list[dict[str, Any]]:
+                   mem_peak_bytes: float | None = None, ddp: Mapping[str, Any] | None = None,
+                   fsdp: Mapping[str, Any] | None = None,
+                   device_total_bytes: float | None = None) -> list[dict[str, Any]]:
     """``[{"setting", "suggestion", "expected_gain_s", "expected_gain_share", "bound", "why"}]``, largest
-    gain first; empty unless exposed communication is a top bottleneck (:func:`comm_is_top`).
+    gain first; empty unless exposed communication is a top bottleneck (:func:`comm_is_top`). Items
+    whose precondition fails carry ``withheld`` (the reason) and no suggestion, after the others.
 
     ``timelines``: recent steps (each step's median rank); ``step_s``: the run's median step (the share's
-    denominator; the timelines' median when None). Every gain is an **upper bound**: the exposed
-    seconds the change could at most remove, each figure the median over the steps."""
+    denominator; the timelines' median when None); ``ddp`` / ``fsdp``: the job's facts as the agent
+    recorded them (``agent/parallel_facts.py``; None: unknown); ``device_total_bytes``: one device's
+    memory (None: not reported) — advice that keeps parameters unsharded is given only when they fit
+    beside ``mem_peak_bytes`` (:func:`_reshard_items`). Every gain is an **upper bound**: the
+    exposed seconds the change could at most remove, each figure the median over the steps."""
     if not comm_is_top(bottlenecks, comm_exposed_s, step_s):
         return []
     figs = [f for f in (_figures(t) for t in timelines) if f is not None]
@@ -476,6 +584,7 @@ def overlap_advice(timelines: Sequence[Timeline], *, bottlenecks: Sequence[Mappi
     n_group = max(f.group_size for f in figs)
     unhideable = max(0.0, service - band)  # gradient communication longer than backward: no bucketing hides it
     out: list[dict[str, Any]] = []
+    withheld: list[dict[str, Any]] = []
     latency_item = False
 
     if grad_op == "all_reduce" and n_calls >= 2:
@@ -504,24 +613,76 @@ def overlap_advice(timelines: Sequence[Timeline], *, bottlenecks: Sequence[Mappi
                     "step). Larger buckets start later: watch the tail after backward."))
     if tail > 0 and not latency_item and grad_op is not None:
         gain = max(0.0, tail - unhideable)
+        setting, sugg, what, why_extra = "", "", "", ""
+        one_tensor = False
+        held_before = len(withheld)
         if grad_op == "all_reduce":
-            mean_b = nbytes / max(n_calls, 1.0)
             setting = "bucket_cap_mb"
-            sugg = (f"lower bucket_cap_mb to about {_mb(mean_b / 2)} (now {n_calls:.0f} buckets of {_mb(mean_b)} MiB "
-                    "on average): more, smaller buckets, so less of the gradient all-reduce is left when backward ends")
-            what = "the all-reduce of the last bucket(s)"
+            mean_b, n_b, first_note = _bucket_mean(nbytes, n_calls, med("grad_min_bytes"), ddp)
+            largest = _num_fact(ddp, "largest_grad_bytes")
+            cap = _num_fact(ddp, "bucket_cap_bytes")
+            now = f"now bucket_cap_mb = {_mb(cap)}, " if cap is not None else "now "
+            if largest is None:
+                withheld.append(_withheld(setting, (
+                    f"{_ms(tail)} per step of gradient all-reduce runs after backward, but the job's largest gradient "
+                    "tensor is unknown (its agent recorded no DDP facts): DDP cannot split one parameter across "
+                    "buckets, so no smaller bucket_cap_mb is advised without it")))
+                setting = ""
+            else:
+                target = max(mean_b / 2, largest)
+                if target > (1 - LIMITS["min_bucket_cut"]) * mean_b:
+                    withheld.append(_withheld(setting, (
+                        f"the gradient buckets ({n_b:.0f} of {_mb(mean_b)} MiB on average{first_note}) already hold "
+                        f"about one gradient tensor each: the largest is {_mb(largest)} MiB and DDP cannot split one "
+                        "parameter across buckets, so a smaller bucket_cap_mb cannot shorten the all-reduce left "
+                        "after backward")))
+                    setting = ""
+                    one_tensor = True  # no bucketing hides any of the tail: only fewer bytes or fewer syncs do
+                else:
+                    gain *= min(1.0, (mean_b - target) / (mean_b / 2))
+                    sugg = (f"lower bucket_cap_mb to about {_mb(target)} ({now}{n_b:.0f} buckets of {_mb(mean_b)} MiB "
+                            f"on average{first_note}): more, smaller buckets, so less of the gradient all-reduce is "
+                            "left when backward ends")
+                    what = "the all-reduce of the last bucket(s)"
+                    why_extra = (f" No bucket can be smaller than the largest gradient tensor ({_mb(largest)} MiB): DDP "
+                                 "does not split a parameter across buckets.")
+                    if (ddp or {}).get("gradient_as_bucket_view") is False:
+                        why_extra += (" gradient_as_bucket_view is off: each bucket is a copy of its gradients, made "
+                                      "before its all-reduce.")
         else:
             setting = "fully_shard units"
-            sugg = ("apply fully_shard to each block (smaller units), so the reduce-scatter left when backward ends "
-                    "is the last unit's only")
-            what = "the last reduce-scatter(s)"
-        out.append(_item(
-            setting, sugg, gain, step,
-            f"{_ms(tail)} per step of gradient {grad_op.replace('_', '-')} runs after backward ends ({what}, issued "
-            f"last) and the optimizer waits for it; of it, {_ms(unhideable)} cannot be hidden by any bucketing "
-            f"(the gradient communication takes {_ms(service)}, backward {_ms(band)}): at most {_ms(gain)} "
-            f"({_pct(gain / step)} of the step)."))
-        if unhideable > 0:
+            units = _num_fact(fsdp, "units")
+            big, small = _num_fact(fsdp, "largest_unit_bytes"), _num_fact(fsdp, "smallest_unit_bytes")
+            if units is not None and big is not None and small is not None and big <= 2 * small:
+                withheld.append(_withheld(setting, (
+                    f"the job's {units:.0f} FSDP units are of similar size (the largest {_mb(big)} MiB, the smallest "
+                    f"{_mb(small)} MiB of parameters): smaller units mean splitting its blocks, not wrapping them")))
+                setting = ""
+            else:
+                sizes = (f" (now {units:.0f} units, the largest {_mb(big)} MiB of parameters)"
+                         if units is not None and big is not None else "")
+                sugg = ("apply fully_shard to each block (smaller units), so the reduce-scatter left when backward "
+                        f"ends is the last unit's only{sizes}")
+                what = "the last reduce-scatter(s)"
+        if gain < LIMITS["min_gain_share"] * step:
+            del withheld[held_before:]  # not worth advice even if it could be given: nothing to explain
+        if setting:
+            out.append(_item(
+                setting, sugg, gain, step,
+                f"{_ms(tail)} per step of gradient {grad_op.replace('_', '-')} runs after backward ends ({what}, issued "
+                f"last) and the optimizer waits for it; of it, {_ms(unhideable)} cannot be hidden by any bucketing "
+                f"(the gradient communication takes {_ms(service)}, backward {_ms(band)}): at most {_ms(gain)} "
+                f"({_pct(gain / step)} of the step).{why_extra}"))
+        if one_tensor:
+            g = tail
+            how = "compress gradients to bf16 (model.register_comm_hook(None, bf16_compress_hook))"
+            out.append(_item(
+                "gradient bytes", f"{how}, synchronise less often (gradient accumulation with no_sync), or a "
+                "faster interconnect", g, step,
+                f"{_ms(tail)} per step of gradient all-reduce runs after backward ends, and the buckets already hold "
+                "one gradient tensor each (DDP cannot split a parameter): no bucket size shortens it; halving the "
+                f"bytes or syncing less often removes at most {_ms(g)} ({_pct(g / step)} of the step)."))
+        elif unhideable > 0:
             g = min(tail, unhideable)
             how = ("compress gradients to bf16 (model.register_comm_hook(None, bf16_compress_hook))"
                    if grad_op == "all_reduce" else "reduce in bf16 (MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))")
@@ -534,20 +695,10 @@ def overlap_advice(timelines: Sequence[Timeline], *, bottlenecks: Sequence[Mappi
                 f"often removes at most {_ms(g)} ({_pct(g / step)} of the step)."))
     ag_b, ag_f = med("ag_bwd_exposed"), med("ag_fwd_exposed")
     if ag_b > 0:
-        n_ag = max(f.ag_group for f in figs)
-        extra = med("ag_bwd_bytes") * (n_ag - 1) / max(n_ag, 1)
-        peak = mem_peak_bytes if mem_peak_bytes and mem_peak_bytes > 0 else None
-        mem = (f"peak memory is {_gb(peak)} per rank, and the device's memory is not reported to fleetscope (nor is "
-               "there one on CPU): check the headroom before" if peak else
-               "peak memory was not measured and the device's memory is not reported: check the headroom before")
-        out.append(_item(
-            "reshard_after_forward",
-            "fully_shard(..., reshard_after_forward=False) for the blocks whose all-gather is exposed in backward "
-            "(or, with no extra memory, block.set_modules_to_backward_prefetch([...]) to issue them earlier)",
-            ag_b, step,
-            f"all-gathers issued in backward expose {_ms(ag_b)} per step. Keeping the parameters unsharded from "
-            f"forward to backward removes them, for up to ~{_gb(extra)} more memory per rank (the gathered bytes "
-            f"less the local shard); {mem}. At most {_ms(ag_b)} ({_pct(ag_b / step)} of the step)."))
+        out_b, held_b = _reshard_items(med("ag_bwd_bytes"), med("ag_bwd_calls"), max(f.ag_group for f in figs), ag_b,
+                                       step, mem_peak_bytes, device_total_bytes, fsdp)
+        out += out_b
+        withheld += held_b
     if ag_f > 0:
         out.append(_item(
             "set_modules_to_forward_prefetch",
@@ -558,4 +709,4 @@ def overlap_advice(timelines: Sequence[Timeline], *, bottlenecks: Sequence[Mappi
             f"parameters. Issued one block ahead they overlap the previous block: at most {_ms(ag_f)} "
             f"({_pct(ag_f / step)} of the step)."))
     keep = [a for a in out if a["expected_gain_s"] >= LIMITS["min_gain_share"] * step]
-    return sorted(keep, key=lambda a: -a["expected_gain_s"])
+    return sorted(keep, key=lambda a: -a["expected_gain_s"]) + withheld

@@ -9,6 +9,12 @@ excess over the step median in data, compute, other), its lateness at collective
 timestamps exist, the fleet time lost waiting for it, and where it was slow: its flagged windows as
 merged step ranges (``slow_ranges``).
 
+**Pipeline jobs** (``stages``: rank → pipeline stage, from the agent's ``pp_stage`` events): the stages
+do different work by design (the last one also computes the head and the loss), so a rank is compared
+with the ranks of its own stage — its slowdown divided by its stage's lower median slowdown (windows
+likewise) — and a rank alone in its stage has no peer and is never a straggler. The report then says
+``compared_within: "pipeline stage"``; each straggler keeps ``slowdown_vs_all``.
+
 Source: the per-(run, rank) rollups kept at compaction (``rollups.py``, :func:`from_rollups`); runs
 compacted without them (older data, a compactor without the fold) are analysed from the step blocks
 of the most recent ``FALLBACK_STEPS`` steps (:func:`from_blocks`), and the result says so.
@@ -146,12 +152,28 @@ def per_step_view(frame: StepFrame, max_points: int) -> dict[str, Any]:
             "skew": [None if not np.isfinite(v) else float(v) for v in skew], "bucket_steps": k}
 
 
+def _stage_scale(ranks: np.ndarray, slowdown: np.ndarray, stages: dict[int, int] | None) -> np.ndarray | None:
+    """Per rank, its stage's (lower) median slowdown (NaN: alone in its stage, or no stage); None when the
+    run is not a pipeline of ≥ 2 stages."""
+    if not stages or len(set(stages.values())) < 2:
+        return None
+    st = np.array([stages.get(int(r), -1) for r in ranks])
+    scale = np.full(len(ranks), np.nan)
+    for s in np.unique(st[st >= 0]):
+        m = (st == s) & np.isfinite(slowdown)
+        if m.sum() >= 2:  # the lower median: of two peers, the faster one
+            v = np.sort(slowdown[m])
+            scale[st == s] = float(v[(len(v) - 1) // 2])
+    return scale
+
+
 def straggler_report(run_id: int, *, world_size: int, fig: RunFigures, hosts: dict[int, tuple[str | None, str | None]],
                      data: dict[str, Any] | None, threshold: float = THRESHOLD,
-                     per_step: dict[str, Any] | None = None) -> dict[str, Any]:
+                     per_step: dict[str, Any] | None = None, stages: dict[int, int] | None = None) -> dict[str, Any]:
     """The straggler report of a run (see the module docstring). ``data``: :func:`from_rollups` or
     :func:`from_blocks`; ``fig``: the run's figures (step counts, fleet time lost, skew percentiles);
-    ``per_step``: :func:`per_step_view`, included when given."""
+    ``per_step``: :func:`per_step_view`, included when given; ``stages``: rank → pipeline stage
+    (ranks are then compared within their stage)."""
     lost = fig.sum_wait_s if fig.steps else None
     base = {
         "steps": fig.steps,
@@ -177,11 +199,21 @@ def straggler_report(run_id: int, *, world_size: int, fig: RunFigures, hosts: di
         persistent = arr["above"] * 2 > steps  # exact: the median is above the threshold
     else:
         persistent = np.nan_to_num(slowdown) > threshold
+    scale = _stage_scale(ranks, slowdown, stages)
+    slowdown_all = slowdown
+    if scale is not None:  # a pipeline: against the rank's own stage; alone in its stage: no peer, no straggler
+        out["compared_within"] = "pipeline stage"
+        with np.errstate(invalid="ignore", divide="ignore"):
+            slowdown = np.where(np.isfinite(scale) & (scale > 0), slowdown / scale, np.nan)
+        persistent = np.nan_to_num(slowdown) > threshold
     n_lost_gpus = max(world_size - 1, 1)
     items: list[dict[str, Any]] = []
     for j in range(len(ranks)):
         rank = int(ranks[j])
         wins = data["flagged_windows"].get(rank, []) if threshold == THRESHOLD else []
+        if scale is not None:
+            sc = scale[j]
+            wins = [(w, r / sc) for w, r in wins if np.isfinite(sc) and sc > 0 and r / sc > threshold]
         if not persistent[j] and not wins:
             continue
         comp, ex = _component(arr, j)
@@ -193,6 +225,7 @@ def straggler_report(run_id: int, *, world_size: int, fig: RunFigures, hosts: di
             "node": node,
             "slowdown": round(float(slowdown[j]), 4) if np.isfinite(slowdown[j]) else None,
             "kind": "persistent" if persistent[j] else "transient",
+            "slowdown_vs_all": round(float(slowdown_all[j]), 4) if np.isfinite(slowdown_all[j]) else None,
             "steps": int(steps[j]),
             "steps_above": int(arr["above"][j]),
             "windows_flagged": len(wins),
@@ -253,6 +286,8 @@ def summary_stragglers(report: dict[str, Any] | None, limit: int = 20) -> list[d
     for it in report["stragglers"][:limit]:
         out.append({k: it[k] for k in ("rank", "host", "node", "slowdown", "kind", "component", "lost_s",
                                         "lateness_s", "node_flagged", "windows_flagged")})
+        if it.get("cause") is not None:  # joined device telemetry (analysis/devices.py)
+            out[-1]["cause"] = it["cause"]
         if out[-1]["slowdown"] is None:
             out[-1]["slowdown"] = 0.0
     return out

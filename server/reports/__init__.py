@@ -100,8 +100,25 @@ __all__ = [
 # current reader only (``scope``): for a run of another namespace, "not found" — None where the report
 # answers None for a missing run, else ``scope.RunNotVisible`` (a LookupError).
 from . import scope  # noqa: E402
+from .devices import device_findings, node_device_trouble, rank_device_nodes, run_devices  # noqa: E402  (device telemetry)
+
+__all__ += ["run_devices", "node_device_trouble", "device_findings", "rank_device_nodes"]
 
 _NONE_WHEN_MISSING = {"get_run", "run_summary", "run_page_summary", "check_run", "node_detail"}
+
+from .projection import run_projection, scaling_projections, track_record  # noqa: E402  (projections, track record)
+
+__all__ += ["run_projection", "track_record", "scaling_projections"]
+_NONE_WHEN_MISSING.add("run_projection")
+
+from .memory_modules import memory_report  # noqa: E402  (memory per module, checkpointing advice)
+
+__all__ += ["memory_report"]
+_NONE_WHEN_MISSING.add("memory_report")
+
+from .utilisation import UtilisationError, fleet_utilisation  # noqa: E402  (fleet utilisation: GPU-hours)
+
+__all__ += ["fleet_utilisation", "UtilisationError"]
 
 
 def _scoped(name: str, fn: Any) -> Any:

@@ -7,6 +7,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from sqlalchemy import Engine
 
 from ..analysis.figures import COMPONENTS, SHARE_KEYS
@@ -14,12 +15,14 @@ from ..analysis.scaling import compare_runs as _compare_runs
 from ..analysis.scaling import scaling as _scaling
 from ..downsample import minmax_series
 from ..store import alerts, steps
+from ..store import collectives as coll_store
 from ..store import runs as run_store
 from . import scope
 from .pages import comm_by_dim_of_runs, ranking_from_shares
 from .runs import figures, with_figures
 
-__all__ = ["fleet_rows", "families", "run_options", "compare_runs", "compare_view", "scaling", "scaling_view"]
+__all__ = ["fleet_rows", "families", "run_options", "compare_runs", "compare_view", "scaling", "scaling_view", "normalised",
+           "NORMALISED"]
 
 
 def fleet_rows(engine: Engine, *, family: str | None = None, status: str | None = None, q: str | None = None,
@@ -55,11 +58,68 @@ def run_options(engine: Engine, limit: int = 1000) -> list[dict[str, Any]]:
     return [{k: v for k, v in d.items() if k != "owner_key"} for d in rows]
 
 
+#: config keys a run may give its model size under (``fs.init(params=, active_params=)`` puts it in meta)
+_PARAM_KEYS = ("params", "num_params", "n_params", "model_params", "parameters")
+_ACTIVE_KEYS = ("active_params", "num_active_params", "activated_params")
+#: the normalised figures of compare (docs/metrics.md, "Normalised comparison")
+NORMALISED = ("params", "active_params", "param_tokens_per_s_per_gpu", "samples_per_s_per_gpu")
+
+
+def _size(run: Any, keys: Sequence[str]) -> float | None:
+    for src in (run.meta or {}, run.config or {}):
+        for k in keys:
+            v = src.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+                return float(v)
+    return None
+
+
+def normalised(engine: Engine, run: Any, fig: Any) -> dict[str, Any]:
+    """A run's normalised throughput: ``params`` / ``active_params`` (recorded: meta, else config keys; active
+    defaults to all), ``param_tokens_per_s_per_gpu`` (tokens/s/GPU × active parameters: model-FLOP-like, comparable
+    across model sizes), ``samples_per_s_per_gpu`` (tokens/s/GPU × samples per token of the run) and
+    ``modality_tokens_per_s`` ({modality: tokens/s}, from the per-modality token counts). None where the
+    run did not record what a figure needs."""
+    params = _size(run, _PARAM_KEYS)
+    active = _size(run, _ACTIVE_KEYS) or params
+    per_gpu = fig.tokens_per_s_per_gpu
+    out: dict[str, Any] = {"params": params, "active_params": active,
+                           "param_tokens_per_s_per_gpu": per_gpu * active if per_gpu is not None and active else None,
+                           "samples_per_s_per_gpu": None, "modality_tokens_per_s": None}
+    if per_gpu is not None:
+        s = steps.load_steps(engine, run.id, ("step", "tokens", "samples"))
+        if len(s):
+            tok, smp = np.nansum(s["tokens"]), np.nansum(s["samples"])
+            if tok > 0 and smp > 0:
+                out["samples_per_s_per_gpu"] = float(per_gpu * smp / tok)
+    if fig.tokens_per_s is not None:
+        by: dict[str, float] = {}
+        for _step, modality, tokens in coll_store.run_modalities(engine, run.id):
+            by[modality] = by.get(modality, 0.0) + float(tokens or 0)
+        total = sum(by.values())
+        if total > 0:
+            out["modality_tokens_per_s"] = {m: fig.tokens_per_s * v / total for m, v in sorted(by.items())}
+    return out
+
+
 def compare_runs(engine: Engine, run_ids: Sequence[int]) -> dict[str, Any]:
     """Runs side by side in normalised units with the first run as reference and the config diff
-    (``analysis.scaling.compare_runs``)."""
+    (``analysis.scaling.compare_runs``), each run with its normalised throughput (``normalised``); the
+    relative figures of runs of another family than the first are for reading, not judging (``same_family``)."""
     found = {i: r for i, r in run_store.runs_by_ids(engine, run_ids).items() if scope.visible_rows([r])}
-    return _compare_runs(run_ids, {r.id: (r, f) for r, f in with_figures(engine, list(found.values()))})
+    pairs = with_figures(engine, list(found.values()))
+    out = _compare_runs(run_ids, {r.id: (r, f) for r, f in pairs})
+    norm = {r.id: normalised(engine, r, f) for r, f in pairs}
+    ref = out["runs"][0] if out["runs"] else None
+    for i, row in enumerate(out["runs"]):
+        row.update(norm[row["id"]])
+        row["same_family"] = i == 0 or (ref is not None and row["model_family"] is not None
+                                        and row["model_family"] == ref["model_family"])
+    if out["runs"]:
+        for m in ("param_tokens_per_s_per_gpu", "samples_per_s_per_gpu"):
+            b = out["runs"][0][m]
+            out["relative_to_first"][m] = [(r[m] / b) if r[m] is not None and b else None for r in out["runs"]]
+    return out
 
 
 def compare_view(engine: Engine, run_ids: list[int], *, max_points: int = 400) -> dict[str, Any]:
@@ -83,6 +143,7 @@ def compare_view(engine: Engine, run_ids: list[int], *, max_points: int = 400) -
             "mem_peak_bytes": f.mem_peak_bytes,
             "overlap_ratio": f.overlap_ratio,
             **{k: f.get(k) for k, _ in COMPONENTS},
+            **normalised(engine, r, f),
         }
     keys = sorted({k for r in ordered for k in (r.config or {})})
     config_rows = []

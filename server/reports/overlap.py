@@ -66,10 +66,12 @@ def run_overlap(engine: Engine, run_id: int, *, step: int | None = None, rank: i
 
 
 def run_overlap_advice(engine: Engine, run: RunRow, fig: RunFigures,
-                       bottlenecks: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+                       bottlenecks: Sequence[Mapping[str, Any]],
+                       facts: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """The summary's ``overlap_advice`` (``analysis.overlap.overlap_advice``) over the median-rank
     timelines of the last ``ADVICE_STEPS`` steps; empty unless exposed communication is a top bottleneck
-    (checked before any block is read). Cached until the run changes."""
+    (checked before any block is read). ``facts``: the job's ``{"ddp", "fsdp"}`` facts
+    (``store.job_facts``). Cached until the run changes."""
     exposed = fig.decomposition.get("comm_exposed_s")
     if not ov.comm_is_top(bottlenecks, exposed, fig.step_s):
         return []
@@ -84,6 +86,8 @@ def run_overlap_advice(engine: Engine, run: RunRow, fig: RunFigures,
                 tls.append(ov.timeline(rs, ov.rank_collectives(cb, rs.rank, names, run.world_size,
                                                                MAX_COLLECTIVES_PER_RANK_STEP)))
         return ov.overlap_advice(tls, bottlenecks=bottlenecks, comm_exposed_s=exposed, step_s=fig.step_s,
-                                 mem_peak_bytes=fig.mem_peak_bytes)
+                                 mem_peak_bytes=fig.mem_peak_bytes, ddp=(facts or {}).get("ddp"),
+                                 fsdp=(facts or {}).get("fsdp"),
+                                 device_total_bytes=((facts or {}).get("memory") or {}).get("device_total_bytes"))
 
     return _cache.cached("overlap_advice", engine, run, compute)

@@ -10,7 +10,8 @@ from sqlalchemy import Engine
 
 from .. import rank_matrix
 from ..analysis import parallel
-from ..analysis.figures import COMPONENT_LABELS, COMPONENTS, SHARE_KEYS, amdahl_ceiling, mfu, tokens_per_s
+from ..analysis.bottlenecks import physical_ceiling
+from ..analysis.figures import COMPONENT_LABELS, COMPONENTS, SHARE_KEYS, mfu, tokens_per_s
 from ..downsample import mean_buckets, minmax_series, sum_buckets
 from ..store import collectives, steps
 from ..store import runs as run_store
@@ -128,7 +129,7 @@ def ranking_from_shares(shares: dict[str, float] | None, step_s: float | None) -
         key = SHARE_KEYS.get(k, k)
         p = float(p or 0.0)
         out.append({"component": COMPONENT_LABELS.get(key, k), "key": key, "share": p, "seconds": p * (step_s or 0.0),
-                    "max_speedup": amdahl_ceiling(p)})
+                    "max_speedup": physical_ceiling(k, p)})  # None for compute, under 10 % or over 90 %
     out.sort(key=lambda d: -d["share"])
     return out
 
@@ -145,6 +146,7 @@ def bottleneck_report(engine: Engine, run_id: int, summary: dict[str, Any] | Non
     by_key = {SHARE_KEYS.get(c["component"], c["component"]): c for c in comps}
     for r in ranking:
         r["findings"] = list(by_key.get(r["key"], {}).get("findings") or [])
+        r["max_speedup"] = by_key.get(r["key"], {}).get("max_speedup")  # the summary's: only for a ranked cause
     return {"ranking": ranking, "findings": [f for r in ranking for f in r["findings"]], "source": "analysis"}
 
 

@@ -18,6 +18,7 @@ from ..store import alert_inputs, alerts, baselines, benchmarks, collectives, st
 from ..store import runs as run_store
 from ..store.rows import RunRow
 from . import _cache, scope
+from .devices import straggler_device_cause
 from .network import network_findings
 from .runs import figures, stragglers, with_figures
 from .tokens import run_token_balance
@@ -144,6 +145,11 @@ def straggler_finding(engine: Engine, run_id: int) -> rg.Regression | None:
         return reg
     fig = figures(engine, [run])[run.id]
     reg.details["cause"] = explain.straggler_cause(top, fig.decomposition)
+    dev = straggler_device_cause(engine, run_id, int(top["rank"]), top.get("slowdown"))
+    if dev is not None:  # its GPU throttled or logged errors: the reason goes into the alert's cause
+        reg.details["cause"] = {**(reg.details["cause"] or {"basis": "rank_vs_median", "rank": top["rank"],
+                                                             "slowdown": top.get("slowdown")}),
+                                "reason": dev["reason"], "device": dev}
     tokens = run_token_balance(engine, run) if fig.tokens_per_rank_step else None
     reg.details["diff"] = explain.rank_diff(top, alert_inputs.rank_placement(engine, run_id),
                                             [s["rank"] for s in rep["stragglers"] if s["kind"] == "persistent"],
@@ -273,7 +279,12 @@ def alert_series(engine: Engine, alert: dict[str, Any], *, max_points: int = 100
     if first_bad.get("step") is not None and run_id:
         s = steps.load_steps(engine, int(run_id), ("step", "step_s"))
         red = minmax_series(s.steps, s["step_s"], max_points)
-        return {"x": red.x.tolist(), "y": red.y.tolist(), "labels": None, "change_x": first_bad["step"], "xlabel": "step",
+        # a straggler's "step" is where it was first seen: no change in the step time of its own, and at the
+        # run's first step (slow from the start) nothing changed at all — marked only when it came later
+        change_x = first_bad["step"]
+        if alert.get("kind") == "straggler" and (not len(s.steps) or change_x <= int(s.steps.min())):
+            change_x = None
+        return {"x": red.x.tolist(), "y": red.y.tolist(), "labels": None, "change_x": change_x, "xlabel": "step",
                 "metric": "step_s", "unit": "s", "factor": red.factor, "source": "run steps"}
     if run_id and metric in _RUN_METRICS:
         base = run_store.get_run(engine, int(run_id), pending=False)

@@ -4,6 +4,7 @@ collectives, goodput, events and traces — each loaded from the store and compu
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ from sqlalchemy import Engine
 from fleetscope.wire import COLLECTIVE_OPS
 
 from ..analysis import parallel
-from ..analysis.bottlenecks import bottleneck_report, data_stall_ranks, summary_bottlenecks
+from ..analysis.bottlenecks import bottleneck_report, data_share_ranks, data_stall_ranks, summary_bottlenecks
 from ..analysis.collectives import collective_efficiency as _efficiency
 from ..analysis.collectives import collective_rows
 from ..analysis.compile import compile_health
@@ -23,9 +24,10 @@ from ..analysis.diagnosis import (
     diagnose,
 )
 from ..analysis.figures import RunFigures, run_figures
-from ..analysis.goodput import CHECKPOINT_KINDS, EVAL_KINDS, RESTART_KINDS
+from ..analysis.goodput import CHECKPOINT_KINDS, EVAL_KINDS, RESTART_KINDS, with_set_apart
 from ..analysis.goodput import goodput as _goodput
 from ..analysis.rollups import THRESHOLD
+from ..analysis.steady import MARK_KINDS, RULE, set_apart_excess, steady_basis
 from ..analysis.stragglers import (
     FALLBACK_STEPS,
     MIN_WINDOW_STEPS,
@@ -39,10 +41,13 @@ from ..groups import decode_ranks
 from ..groups import members as group_members
 from ..limits import MAX_GROUP_RANKS_LISTED
 from ..store import aggregates, bounds, collectives, events, ranks, steps, traces
+from ..store import basis as basis_store
 from ..store import runs as run_store
 from ..store.compile import load_compile, load_graph_collectives
+from ..store.job_facts import job_facts
 from ..store.rows import RankRollups, RunRow
 from . import _cache
+from .devices import with_device_causes
 from .health import run_goodput
 from .memory import run_memory
 from .network import run_network
@@ -54,6 +59,7 @@ __all__ = [
     "list_runs",
     "figures",
     "with_figures",
+    "steady_state",
     "run_summary",
     "bottlenecks",
     "stragglers",
@@ -103,14 +109,50 @@ def figures(engine: Engine, runs: Sequence[RunRow]) -> dict[int, RunFigures]:
             else:
                 out[r.id] = fig
         if stale:
-            aggs = aggregates.load_aggregates(engine, [r.id for r in stale])
+            fresh = _steady_figures(engine, stale)
             for r in stale:
-                out[r.id] = run_figures(r, aggs.get(r.id))
-            aggregates.save_figures(engine, {r.id: (r.rank_steps, r.status, out[r.id].to_json())
-                                             for r in stale if r.id in aggs})
+                c = stored.get(r.id)
+                old = RunFigures.from_json(c[2], any_version=True) if c is not None else None
+                # per-step rows gone (retention) since figures of an older version were stored: keep those
+                out[r.id] = old if not fresh[r.id].steps and old is not None and old.steps else fresh[r.id]
+            aggregates.save_figures(engine, {r.id: (r.rank_steps, r.status, fresh[r.id].to_json())
+                                             for r in stale if fresh[r.id].steps})
         for r in todo:
             _cache.put((key, r.id, "figures"), r.version, out[r.id])
     return out
+
+
+def _steady_figures(engine: Engine, runs: Sequence[RunRow]) -> dict[int, RunFigures]:
+    """The runs' figures over their steady-state steps (``analysis.steady``), in three queries whatever
+    the number of runs: per-step times, marking events, aggregates without the set-apart steps."""
+    ids = [r.id for r in runs]
+    frames = basis_store.load_step_times(engine, ids)
+    marks = basis_store.marking_events(engine, ids, tuple(MARK_KINDS))
+    bases = {rid: steady_basis(f.steps, f["step_s"], ts=f["ts"], events=marks.get(rid, ()))
+             for rid, f in frames.items()}
+    aggs = aggregates.load_aggregates_without(engine, ids, {rid: b.excluded for rid, b in bases.items()})
+    out: dict[int, RunFigures] = {}
+    for r in runs:
+        b, f = bases.get(r.id), frames.get(r.id)
+        fig = run_figures(r, aggs.get(r.id), b, None if b is None or f is None else
+                          set_apart_excess(b, f.steps, f["step_s"], f["data_s"]))
+        if f is not None and fig.steps:
+            fig = replace(fig, sum_step_all_s=float(np.nansum(f["step_s"])), sum_wait_all_s=float(np.nansum(f["wait_s"])))
+        out[r.id] = fig
+    return out
+
+
+def steady_state(engine: Engine, run: RunRow) -> tuple[RunFigures, dict[str, Any], dict[str, float]]:
+    """(the run's figures — over its steady-state steps, as every figure of the run —, the summary's
+    ``basis``, {goodput category: seconds the set-apart steps took beyond a steady step})."""
+    fig = figures(engine, [run])[run.id]
+    return fig, fig.basis or _whole_basis(fig), dict(fig.set_apart_excess or {})
+
+
+def _whole_basis(fig: RunFigures) -> dict[str, Any]:
+    """``basis`` of figures stored before the steady-state basis (every step counted)."""
+    return {"steps": fig.steps, "of": fig.steps, "set_apart": [], "rule": RULE,
+            "fallback": "figures stored before the steady-state basis: every step counted" if fig.steps else None}
 
 
 def with_figures(engine: Engine, runs: Sequence[RunRow]) -> list[tuple[RunRow, RunFigures]]:
@@ -135,10 +177,33 @@ def _stragglers(engine: Engine, run: RunRow, fig: RunFigures, *, threshold: floa
         view = None
         if per_step:
             view = per_step_view(steps.load_steps(engine, run.id, ("step", "slowest_rank", "skew")), max_points)
-        return straggler_report(run.id, world_size=run.world_size, fig=fig, hosts=hosts, data=data,
-                                threshold=threshold, per_step=view)
+        # time lost to stragglers is accounted over every step, as the per-rank rollups it is split by
+        lost = fig if fig.sum_wait_all_s is None else replace(fig, sum_wait_s=fig.sum_wait_all_s,
+                                                              sum_step_s=fig.sum_step_all_s)
+        return straggler_report(run.id, world_size=run.world_size, fig=lost, hosts=hosts, data=data,
+                                threshold=threshold, per_step=view, stages=_stage_of(engine, run))
 
-    return _cache.cached(("stragglers", threshold, per_step, max_points), engine, run, compute)
+    rep = _cache.cached(("stragglers", threshold, per_step, max_points), engine, run, compute)
+    return with_device_causes(engine, run, rep)  # each straggler's ``cause``: its GPU's telemetry (devices.py)
+
+
+def _stage_of(engine: Engine, run: RunRow) -> dict[int, int]:
+    """rank → its pipeline stage (the lowest it reported in ``pp_stage`` events); empty without them."""
+
+    def compute() -> dict[int, int]:
+        out: dict[int, int] = {}
+        for r, k, _s, d in events.pipeline_events(engine, run.id):
+            st = d.get("stage")
+            if k == "pp_stage" and isinstance(st, int):
+                out[r] = min(st, out.get(r, st))
+        return out
+
+    return _cache.cached("stage_of", engine, run, compute)
+
+
+def _job_facts(engine: Engine, run: RunRow) -> dict[str, Any]:
+    """The job's DDP / FSDP facts as its agent recorded them (``store.job_facts``)."""
+    return _cache.cached("job_facts", engine, run, lambda: job_facts(engine, run.id))
 
 
 def _efficiency_of(engine: Engine, run: RunRow) -> dict[str, Any]:
@@ -151,7 +216,8 @@ def _bottlenecks(engine: Engine, run: RunRow, fig: RunFigures) -> dict[str, Any]
         roll, hosts = _rank_inputs(engine, run)
         return bottleneck_report(run.id, fig,
                                  efficiency_large_messages=_efficiency_of(engine, run)["efficiency_large_messages"],
-                                 stall_ranks=data_stall_ranks(roll, hosts), stragglers=_stragglers(engine, run, fig))
+                                 stall_ranks=data_stall_ranks(roll, hosts), stragglers=_stragglers(engine, run, fig),
+                                 data_ranks=data_share_ranks(roll) if roll is not None else None)
 
     return _cache.cached("bottlenecks", engine, run, compute)
 
@@ -162,22 +228,24 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
     run = run_store.get_run(engine, run_id)
     if run is None:
         return None
-    fig = figures(engine, [run])[run.id]
+    fig = figures(engine, [run])[run.id]  # every figure below is on the run's steady-state basis
     meta = run.meta or {}
     d = run.as_dict()
     par = dict(parallel_summary(engine, run, fig))
     comps = summary_bottlenecks(_bottlenecks(engine, run, fig))
     balance = run_token_balance(engine, run)
     network = run_network(engine, run, _stragglers(engine, run, fig))
-    raw_advice = run_overlap_advice(engine, run, fig, comps)
-    diag = _diagnosis(engine, run, fig, comps, raw_advice, balance, network)
+    raw_advice = run_overlap_advice(engine, run, fig, comps, _job_facts(engine, run))
+    diag = _diagnosis(engine, run, fig, comps, raw_advice, balance, network, par.get("pipeline"))
     par["parallel_findings"] = consistent_parallel_findings(
         par["parallel_findings"], collectives.run_collectives(engine, run.id), diag)
     return {
         "run": d,
         "rank_steps": d["rank_steps"],
         "collective_records": d["collective_records"],
-        "steps": fig.steps,
+        "steps": fig.steps,  # every compacted step; ``basis`` says which the figures are over
+        # the steps the figures are computed on and those set apart (warm-up, compile, checkpoint, eval, outliers)
+        "basis": fig.basis or _whole_basis(fig),
         "decomposition": fig.decomposition,
         "phases": {**(fig.phases or {}), **par.pop("custom_phases")},
         "comm_total_s": fig.comm_total_s,
@@ -214,20 +282,22 @@ def run_summary(engine: Engine, run_id: int) -> dict[str, Any] | None:
         "folded": run_folded(engine, run.id),
         # wall time split into productive steps and what was lost (init, checkpoints, eval, data stalls, hangs,
         # failures, redone steps), per run and per job (reports.health; read fresh)
-        "goodput": run_goodput(engine, run.id),
+        # set-apart steps' time beyond a steady step is lost time ("compile_steps", "warmup_outlier_steps")
+        "goodput": with_set_apart(run_goodput(engine, run.id), fig.set_apart_excess or {}),
         **par,
     }
 
 
 def _diagnosis(engine: Engine, run: RunRow, fig: RunFigures, comps: list[dict[str, Any]],
                raw_advice: list[dict[str, Any]], balance: dict[str, Any] | None,
-               network: dict[str, Any] | None) -> dict[str, Any] | None:
+               network: dict[str, Any] | None, pipeline: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The summary's ``diagnosis`` (``analysis.diagnosis``), cached until the run changes."""
     return _cache.cached("diagnosis", engine, run, lambda: diagnose(
         step_s=fig.step_s, shares=fig.shares, colls=collectives.run_collectives(engine, run.id),
         world_size=run.world_size, stragglers=_stragglers(engine, run, fig), token_balance=balance,
         bottlenecks=comps, overlap_items=raw_advice, network=network,
-        efficiency_large_messages=_efficiency_of(engine, run)["efficiency_large_messages"]))
+        efficiency_large_messages=_efficiency_of(engine, run)["efficiency_large_messages"],
+        facts=_job_facts(engine, run), pipeline=pipeline))
 
 
 def flops_per_rank_step(engine: Engine, run: RunRow, fig: RunFigures) -> dict[str, Any]:
@@ -250,10 +320,12 @@ _PIPELINE_STEPS = 200  # recent steps the per-stage figures are taken over
 
 
 def parallel_summary(engine: Engine, run: RunRow, fig: RunFigures) -> dict[str, Any]:
-    """``comm_by_dim``, ``pipeline`` and ``parallel_findings`` of the summary (``analysis.parallel``)."""
+    """``comm_by_dim``, ``pipeline`` and ``parallel_findings`` of the summary (``analysis.parallel``), over
+    the steady-state steps of the run's figures (``fig.set_apart_steps`` left out)."""
 
     def compute() -> dict[str, Any]:
-        rows = collectives.step_comm(engine, run.id)
+        skip = set(fig.set_apart_steps or ())
+        rows = [r for r in collectives.step_comm(engine, run.id) if r.step not in skip]
         by_dim = parallel.comm_by_dim(rows)
         evs = events.pipeline_events(engine, run.id)  # bounded: ≤ MAX_EVENTS_PER_KIND of each, fields projected
         stage_evs = [(r, d) for r, k, _s, d in evs if k == "pp_stage"]
@@ -269,7 +341,7 @@ def parallel_summary(engine: Engine, run: RunRow, fig: RunFigures) -> dict[str, 
                 st = d.get("stage")
                 if isinstance(st, int):
                     stage_of[r] = min(st, stage_of.get(r, st))
-            blocks = steps.recent_comm_blocks(engine, run.id, _PIPELINE_STEPS)
+            blocks = [b for b in steps.recent_comm_blocks(engine, run.id, _PIPELINE_STEPS) if b[0] not in skip]
             per_stage = parallel.stage_figures(stage_of, blocks, [COLLECTIVE_OPS.index("send"), COLLECTIVE_OPS.index("recv")])
             pipeline = parallel.pipeline_summary(stage_evs, rows, fig.step_s, per_stage)
         spans = _group_spans(engine, run.id)
@@ -387,8 +459,10 @@ def goodput(engine: Engine, run_id: int) -> dict[str, Any] | None:
     if times is None:
         return None
     frame = steps.load_steps(engine, run_id, ("step", "ts", "step_s", "data_s"))
+    run = run_store.get_run(engine, run_id, pending=False)
     return _goodput(run_id, times[0], times[1], frame,
-                    events.job_events(engine, run_id, (*CHECKPOINT_KINDS, *EVAL_KINDS, *RESTART_KINDS)))
+                    events.job_events(engine, run_id, (*CHECKPOINT_KINDS, *EVAL_KINDS, *RESTART_KINDS)),
+                    set_apart_s=figures(engine, [run])[run.id].set_apart_excess if run is not None else None)
 
 
 def run_events(engine: Engine, run_id: int, limit: int = 500) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
 def get_alerts(
     st: ReadState,
     state: Annotated[str | None, Query(pattern="^(firing|resolved|acknowledged)$")] = None,
-    kind: Annotated[str | None, Query(pattern="^(run_series|benchmark|step_time_shift|straggler|slow_node|hang|node_lost|failure)$")] = None,
+    kind: Annotated[str | None, Query(pattern="^(run_series|benchmark|step_time_shift|straggler|slow_node|hang|node_lost|failure|device)$")] = None,
     run_id: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 500,
 ) -> Any:

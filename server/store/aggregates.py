@@ -19,7 +19,7 @@ from sqlalchemy import Engine, text
 from .rows import RunAggregate
 from .steps import PER_STEP
 
-__all__ = ["RunAggregate", "load_aggregates", "load_cached_figures", "save_figures"]
+__all__ = ["RunAggregate", "load_aggregates", "load_aggregates_without", "load_cached_figures", "save_figures"]
 
 
 def _med(expr: str, name: str, q: float = 0.5) -> str:
@@ -67,6 +67,32 @@ def load_aggregates(engine: Engine, run_ids: Iterable[int]) -> dict[int, RunAggr
     out: dict[int, RunAggregate] = {}
     with engine.connect() as c:
         for row in c.execute(text(_AGG_SQL), {"ids": ids}):
+            m = row._mapping
+            out[int(m["run_id"])] = RunAggregate(n=int(m["n"]), **{k: _num(m[k]) for k in _FIELDS if k != "n"})
+    return out
+
+
+_WHERE = "FROM steps WHERE run_id = ANY(:ids) AND n_ranks > 0 GROUP BY run_id"
+if _WHERE not in _AGG_SQL:  # the aggregate query changed shape: the steady-state variant must follow
+    raise RuntimeError("aggregates: _AGG_SQL no longer ends with its WHERE clause")
+#: a (run, step) pair as one bigint: run_id · 2^32 + step (steps are below 2^32); a plain filter on the
+#: rows the run_id condition selects, so it runs unchanged on Citus (no join, no subquery)
+_STEP_KEY = "run_id::bigint * 4294967296 + step"
+_AGG_WITHOUT_SQL = _AGG_SQL.replace(
+    _WHERE, f"FROM steps WHERE run_id = ANY(:ids) AND n_ranks > 0 AND NOT ({_STEP_KEY} = ANY(:skip)) GROUP BY run_id")
+
+
+def load_aggregates_without(engine: Engine, run_ids: Iterable[int],
+                            skip: Mapping[int, Iterable[int]]) -> dict[int, RunAggregate]:
+    """:func:`load_aggregates` over each run's compacted steps except its ``skip[run]`` ones (the
+    steady-state basis, ``analysis.steady``), in one query; runs left without a step are absent."""
+    ids = [int(r) for r in run_ids]
+    if not ids:
+        return {}
+    keys = [int(rid) * 4294967296 + int(st) for rid, sts in skip.items() for st in sts]
+    out: dict[int, RunAggregate] = {}
+    with engine.connect() as c:
+        for row in c.execute(text(_AGG_WITHOUT_SQL), {"ids": ids, "skip": keys}):
             m = row._mapping
             out[int(m["run_id"])] = RunAggregate(n=int(m["n"]), **{k: _num(m[k]) for k in _FIELDS if k != "n"})
     return out

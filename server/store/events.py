@@ -31,6 +31,7 @@ from ..limits import (
     MAX_PAGE_ROWS,
     MAX_PIPELINE_STAGES,
 )
+from . import devices as devices_store
 from . import health as health_store
 from . import scalars as scalars_store
 
@@ -70,6 +71,12 @@ def land_events(cur: Any, run_id: int, events: Sequence[dict[str, Any]], groups:
             cur, run_id, [e for e in events if e["kind"] == scalars_store.SCALARS_KIND])
         out.events += n_scalars
         events = [e for e in events if e["kind"] != scalars_store.SCALARS_KIND]
+    if any(e["kind"] == devices_store.DEVICE_KIND for e in events):  # device telemetry: to run_devices
+        n_dev, dropped_dev = devices_store.land_devices(
+            cur, run_id, [e for e in events if e["kind"] == devices_store.DEVICE_KIND])
+        out.events += n_dev
+        out.dropped.update(dropped_dev)
+        events = [e for e in events if e["kind"] != devices_store.DEVICE_KIND]
     # run health (store/health.py): positions and failures to their own bounded tables, pauses applied there too
     events, health_kept = health_store.land(cur, run_id, events)
     out.events += health_kept

@@ -14,7 +14,9 @@ never loaded whole: :func:`wave_summary` computes a run's wavefront in SQL (coun
 collective and sequence number, per liveness; the ranks that never arrived, silent ranks, lost nodes)
 and returns counts plus bounded lists (the first ranks and runs of ranks, nodes, a few stacks), under a
 time budget (``SET LOCAL statement_timeout``) when the caller gives one; :func:`open_pause` finds the open
-declared pause in SQL too, however many ranks declared one.
+declared pause in SQL too, however many ranks declared one; :func:`silent_nodes` finds, for a failed
+run, the nodes none of whose ranks sent a failure record or a live position and the ranks never heard
+of (bounded lists and counts).
 """
 
 from __future__ import annotations
@@ -29,13 +31,13 @@ from typing import Any
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
-from ..analysis.health import RANGES_SHOWN, RankSet, WaveSummary
+from ..analysis.health import RANGES_SHOWN, RankSet, SilentNodes, WaveSummary
 from ..limits import MAX_FAILURES_PER_RUN, MAX_PAUSE_REASONS_PER_RUN
 
 __all__ = ["land", "Position", "Failure", "Pause", "RunProgress", "positions", "failures", "failure_count",
            "pauses", "pause_totals", "last_pause_end", "open_pause", "progress", "save_health", "load_health",
            "set_status", "attempts", "health_rows", "step_p99", "steps_at_or_below", "wave_summary", "OverBudget",
-           "is_over_budget", "node_map", "HEALTH_KINDS", "fleet_goodput_rows"]
+           "is_over_budget", "node_map", "HEALTH_KINDS", "fleet_goodput_rows", "silent_nodes"]
 
 HEALTH_KINDS = ("position", "failure", "pause")
 
@@ -424,6 +426,61 @@ def wave_summary(engine: Engine, run_id: int, world_size: int, silence_s: float,
     return out
 
 
+# the nodes of a failed run none of whose ranks (in [0, world)) sent a failure record or a live position,
+# every rank of those nodes, and the ranks in [0, world) the server never heard of (no registration, no
+# failure record). The failure records are few (MAX_FAILURES_PER_RUN): the nodes that did report are
+# found by index from them; the ranks table is scanned once for its nodes
+_SILENT = (
+    "WITH f AS MATERIALIZED (SELECT DISTINCT rank FROM run_failures WHERE run_id = :r), "
+    "said AS MATERIALIZED (SELECT DISTINCT coalesce(k.node, k.host) AS node FROM ranks k WHERE k.run_id = :r "
+    "AND k.rank IN (SELECT rank FROM f) UNION SELECT DISTINCT coalesce(k.node, k.host) FROM run_positions p "
+    f"JOIN ranks k ON k.run_id = p.run_id AND k.rank = p.rank WHERE p.run_id = :r AND p.{_LIVE}), "
+    "k AS MATERIALIZED (SELECT rank, coalesce(node, host) AS node FROM ranks WHERE run_id = :r AND rank >= 0 "
+    "AND rank < :w AND coalesce(node, host) IS NOT NULL), "
+    "lost AS MATERIALIZED (SELECT DISTINCT node FROM k WHERE node NOT IN (SELECT node FROM said WHERE node IS NOT NULL)), "
+    "lr AS MATERIALIZED (SELECT rank FROM k WHERE node IN (SELECT node FROM lost)) "
+    f"SELECT {_nodes_sql('lost')}, {_rank_set_sql('lr')}, "
+    "(SELECT count(*) FROM ranks WHERE run_id = :r AND rank >= 0 AND rank < :w)"
+)
+# the ranks in [0, world) without a registration nor a failure record (only read when some are missing)
+_UNREPORTED = (
+    "WITH u AS MATERIALIZED (SELECT g AS rank FROM generate_series(0, :w - 1) AS g EXCEPT (SELECT rank FROM ranks "
+    "WHERE run_id = :r UNION SELECT rank FROM run_failures WHERE run_id = :r)) "
+    f"SELECT {_rank_set_sql('u')}"
+)
+
+
+def silent_nodes(engine: Engine, run_id: int, world_size: int, silence_s: float, *, max_listed: int = 1024,
+                 nodes_detailed: int = 16, ranks_per_node: int = 64, budget_s: float | None = None) -> SilentNodes:
+    """The ranks of the run that never said why they stopped, by node (``analysis.health.SilentNodes``):
+    bounded lists and counts whatever the world size, the first ``nodes_detailed`` nodes with their first
+    ``ranks_per_node`` ranks. ``budget_s``: cancelled past it, as :func:`wave_summary`."""
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    w = int(world_size)
+    base = {"r": run_id, "w": w, "silence": float(silence_s), "n": max(int(max_listed), 1), "nr": RANGES_SHOWN}
+    out = SilentNodes()
+    with engine.connect().execution_options(isolation_level="REPEATABLE READ") as c, c.begin():
+        _budget(c, deadline)
+        row = c.execute(text(_SILENT), base).one()
+        out.count, out.nodes = int(row[0] or 0), list(row[1] or [])[:max_listed]
+        out.ranks = _rank_set(row[2], row[3], row[4], row[5], max_listed)
+        if int(row[6] or 0) < w:  # some ranks never registered
+            _budget(c, deadline)
+            u = c.execute(text(_UNREPORTED), base).one()
+            out.unreported = _rank_set(u[0], u[1], u[2], u[3], max_listed)
+        first = out.nodes[:nodes_detailed]
+        if first:
+            _budget(c, deadline)
+            rows = c.execute(text(
+                "SELECT coalesce(node, host) AS nd, count(*), (array_agg(rank ORDER BY rank))[1:CAST(:m AS int)] "
+                "FROM ranks WHERE run_id = :r AND rank >= 0 AND rank < :w AND coalesce(node, host) = ANY(:nodes) "
+                "GROUP BY 1"), {**base, "m": int(ranks_per_node), "nodes": first}).fetchall()
+            by = {str(r[0]): (int(r[1]), [int(x) for x in r[2] or []]) for r in rows}
+            out.by_node = [{"node": n, "ranks": by.get(n, (0, []))[1], "rank_count": by.get(n, (0, []))[0]}
+                           for n in first]
+    return out
+
+
 def open_pause(engine: Engine, run_id: int, now: float, pause_max_s: float) -> dict[str, Any] | None:
     """The declared pause holding the run now (``analysis.health.open_pause`` in SQL, over every rank's
     pauses): the latest begun among the open ones within their bound (max(2 × expected, ``pause_max_s``)),
@@ -528,6 +585,10 @@ def progress(engine: Engine, run_ids: Sequence[int] | None = None, *, active_onl
         "WHERE r.status IN ('running', 'stalled', 'hung') OR h.state IN ('running', 'stalled', 'hung')"
         " OR (h.run_id IS NULL AND r.finished_at IS NULL)"
         " OR (h.state IS DISTINCT FROM 'failed' AND fc.n > 0)"
+        # an ended run is assessed again when failure records landed since its last conclusion (one with
+        # an earlier time changes the root cause), and while its cause is settling (a node not heard from)
+        " OR (fc.n > 0 AND CAST(h.detail->>'failures_seen' AS bigint) IS DISTINCT FROM fc.n)"
+        " OR (h.detail->>'settle_until') IS NOT NULL"
         if active_only else "")
     # joins to per-run aggregates, not subqueries correlated with r.id: on Citus `runs` is a reference
     # table, and a subquery on a distributed table correlated with it is refused

@@ -406,7 +406,7 @@ def owner_key_of(engine: Engine, run_id: int) -> tuple[bool, str]:
 
 #: every table that holds rows of a run, children first (runs last)
 _RUN_TABLES = ("ingest_fragments", "modality_raw", "steps", "run_collectives", "run_modalities", "run_events",
-               "run_groups", "run_event_counts", "run_scalars", "run_scalar_names", "run_positions", "run_failures", "run_pauses", "run_health", "run_dims", "step_comm", "phase_raw", "run_phases",
+               "run_groups", "run_event_counts", "run_scalars", "run_scalar_names", "run_devices", "run_projections", "run_positions", "run_failures", "run_pauses", "run_health", "run_dims", "step_comm", "phase_raw", "run_phases",
                "trace_summaries", "rank_rollups", "rank_windows", "run_stats", "alerts", "ranks")
 
 

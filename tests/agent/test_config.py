@@ -38,6 +38,8 @@ BAD_VALUES: list[tuple[str, str]] = [
     ("FLEETSCOPE_HEARTBEAT_S", "often"),
     ("FLEETSCOPE_HEARTBEAT_S", "-1"),
     ("FLEETSCOPE_STACK_AFTER_S", "nan"),
+    ("FLEETSCOPE_DEVICE_SAMPLE_S", "often"),
+    ("FLEETSCOPE_DEVICE_WINDOW_S", "-2"),
 ]
 
 

@@ -26,6 +26,9 @@ K8S = {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}
     ({**K8S, "MASTER_ADDR": "pj-master-0", "RANK": "3"}, ("pj", "kubernetes")),  # PyTorchJob (v1)
     ({**K8S, "PET_MASTER_ADDR": "tj-node-0-0.tj", "PET_NODE_RANK": "1"}, ("tj", "kubernetes")),  # TrainJob (v2)
     ({**K8S, "PET_RDZV_ENDPOINT": "ej-worker-0:23456"}, ("ej", "kubernetes")),  # elastic PyTorchJob
+    ({**K8S, "JOBSET_NAME": "js", "MASTER_ADDR": "js-workers-0-0.js"}, ("js", "kubernetes")),  # JobSet, named
+    ({**K8S, "MASTER_ADDR": "js-workers-0-0.js"}, ("js", "kubernetes")),  # JobSet: the leader pod's address
+    ({"JOBSET_NAME": "js"}, (None, None)),  # not in a pod
     ({"MASTER_ADDR": "pj-master-0"}, (None, None)),  # not in a pod: a host name, no job
     ({"PMIX_NAMESPACE": "prterun-h1-4711@1", "OMPI_COMM_WORLD_RANK": "0"}, ("prterun-h1-4711@1", "mpi")),
     ({"OMPI_MCA_orte_ess_jobid": "3815636993"}, ("3815636993", "mpi")),

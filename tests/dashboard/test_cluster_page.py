@@ -97,3 +97,44 @@ def test_the_cluster_page_ranks_the_slow_node_first(live_server: Any) -> None:
 
     none = _fill(live_server, None)
     assert none["cluster-detail"]["children"] is None
+
+
+def _device_event(rank: int, seq: int, i: int, *, throttle: list[str] | None = None, xid: list[int] | None = None,
+                  ecc: int = 0) -> dict[str, Any]:
+    thr = throttle or []
+    figs = {"window_s": 30.0, "samples": 30, "sm_clock_mhz": {"min": 1400, "mean": 1410 if thr else 1980, "max": 1990},
+            "power_w": {"min": 400, "mean": 500, "max": 700}, "power_limit_w": {"min": 700, "mean": 700, "max": 700},
+            "temp_c": {"min": 60, "mean": 62, "max": 64}, "throttle": thr, "throttle_s": {n: 27.0 for n in thr},
+            "ecc_errors": ecc, "xid": xid or []}
+    return {"rank": rank, "seq": seq, "kind": "device", "ts": 1.7e9 + 30 * i, "step": 10 * i, "data": figs}
+
+
+def test_the_cluster_page_ranks_nodes_by_device_trouble_beside_the_slow_node_table(live_server: Any) -> None:
+    # two runs on nodes node0000..node0003 (2 ranks each): node0001 logs an XID and an ECC error, node0002
+    # throttles (power) on one GPU all the time in both runs, node0003 two windows of one run, node0000 is healthy
+    for k in range(2):
+        rid = load(live_server, RunSpec(name=f"dev-{k}", family="vla-7b", world_size=8, steps=12, seed=k,
+                                        gpus_per_node=2))
+        with live_server.client() as c:
+            evs = []
+            for i in range(3):
+                for r in range(8):
+                    evs.append(_device_event(
+                        r, 100 + i, i, throttle=["power"] if r == 4 or (k == 0 and r == 6 and i < 2) else None,
+                        xid=[79] if (k == 1 and r == 2 and i == 1) else None, ecc=1 if (k == 1 and r == 3 and i == 2) else 0))
+            assert c.ingest({"v": 1, "run_id": rid, "events": evs}, fmt="json")["accepted"]["events"] == 24
+
+    page = _page(live_server)
+    split = _find(page, "cluster-device-section")
+    assert split is not None and _find(page, "cluster-table") is not None  # both tables on the page
+    res = _update(live_server, [("cluster-devices", "children")],
+                  [{"id": "cluster-node", "property": "value", "value": None}])
+    table = _find(res["cluster-devices"]["children"], "cluster-device-nodes")
+    rows = _rows(table)
+    # XIDs first (node0001: one XID window, one ECC error), then by the share of time throttled (27 s of each
+    # 30 s window; node0002: 6 of its 12 windows = 162 / 360 s = 45 %; node0003: 2 of 12 = 15 %); node0000 left out
+    assert [r[1] for r in rows] == ["node0001", "node0002", "node0003"]
+    assert rows[0][2:4] == ["1", "1"] and rows[0][4] == "0 %"
+    assert rows[1][2:] == ["0", "0", "45 %", "2 of 2"]
+    assert rows[2][2:] == ["0", "0", "15 %", "1 of 2"]
+    assert "3 of 4 node(s) with telemetry had trouble" in " ".join(_texts(res["cluster-devices"]["children"]))

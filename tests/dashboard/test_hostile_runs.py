@@ -196,7 +196,7 @@ def test_every_page_renders_every_hostile_run(hostile: dict[str, Any], caplog: p
     assert len(rows) == len(ids)
     healthy = rows[f"[{md_escape('healthy-8')}](/runs/{ids['healthy']})"]
     assert healthy["tokens_per_s"] and healthy["steps"] == 12 and "·" in healthy["bottleneck"]
-    assert rows[f"[{md_escape('only-compute_s')}](/runs/{ids['only-compute_s']})"]["bottleneck"] == "compute 100 % · unbounded"
+    assert rows[f"[{md_escape('only-compute_s')}](/runs/{ids['only-compute_s']})"]["bottleneck"] == "compute 100 % · no ceiling"
     for q in ("only", "zero", "huge"):  # filtered views too
         seen[f"fleet?q={q}"] = _update(srv, FLEET_OUT, FLEET_IN[:2] + [("fleet-search", "value", q)])
 

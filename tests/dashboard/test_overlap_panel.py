@@ -44,9 +44,12 @@ def _run(srv: Any, name: str, *, colls: bool = True, exposed: float = 0.010, **k
             if colls:
                 cs += [(r, s, i, "all_reduce", 2, 10_000_000, 1, tot, exp * exposed / 0.010, T0 + s + t, "dp")
                        for i, (t, tot, exp) in enumerate(BUCKETS)]
+    # what the agent records of the DDP model: gradients of at most 1 MB (a smaller bucket cap is possible)
+    facts = {"rank": 0, "seq": 0, "kind": "ddp", "ts": T0, "step": None,
+             "data": {"bucket_cap_bytes": 10_000_000, "first_bucket_bytes": 10_000_000, "largest_grad_bytes": 1_000_000}}
     with srv.client() as c:
         rid = c.register_run({"name": name, "world_size": 2})
-        c.ingest_rows(rid, steps, cs or None)
+        c.ingest_rows(rid, steps, cs or None, events=[facts])
     srv.compact()
     return rid
 

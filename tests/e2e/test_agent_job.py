@@ -1,6 +1,7 @@
-"""A real `torchrun --nproc-per-node 4` CPU job (gloo, DDP, variable-length packed batches)
-instrumented by `instrument()`, streaming into a real `fleetscope serve` over HTTP — including the
-server being killed mid-run, offline mode + `fleetscope upload`, and a misbehaving server."""
+"""Real `torchrun` CPU jobs (gloo, DDP, variable-length packed batches; 4 ranks, 2 where only what
+arrives is counted) instrumented by `instrument()`, streaming into a real `fleetscope serve` over
+HTTP — including the server being killed mid-run, offline mode + `fleetscope upload`, and a
+misbehaving server."""
 
 from __future__ import annotations
 
@@ -24,8 +25,11 @@ SHAPE = {"batch": 2, "seq": 32, "vocab": 128, "dim": 32, "layers": 2, "heads": 4
 PEAK = 1e12
 
 
-def _job(run: str, steps: int, env: dict[str, str], sleep_ms: float = 0.0, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+def _job(run: str, steps: int, env: dict[str, str], sleep_ms: float = 0.0, timeout: float = 300,
+         ranks: int = 4) -> subprocess.CompletedProcess:
+    """``ranks`` processes: 4 where the data of several ranks is checked (decomposition, all-reduce bytes);
+    2 where what is checked is that nothing is lost or duplicated (as many processes as the 2 cores)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
            "-m", "fleetscope.demo_train", "--run-name", run, "--steps", str(steps), "--peak-flops", str(PEAK),
            "--sleep-ms", str(sleep_ms), *[f"--{k}={v}" for k, v in SHAPE.items()]]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
@@ -83,12 +87,12 @@ class Server:
         assert runs, f"run {name} not registered"
         return runs[0]
 
-    def wait_rank_steps(self, name: str, n: int, timeout: float = 60) -> dict[str, Any]:
+    def wait_rank_steps(self, name: str, n: int, timeout: float = 60, ranks: int = 4) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
             run = self.run(name)
             summary = httpx.get(f"{self.url}/api/v1/runs/{run['id']}/summary").json()
-            if summary["rank_steps"] >= n and summary["steps"] * 4 >= n or time.monotonic() > deadline:
+            if summary["rank_steps"] >= n and summary["steps"] * ranks >= n or time.monotonic() > deadline:
                 return summary
             time.sleep(0.3)
 
@@ -140,9 +144,13 @@ def test_four_rank_job_streams_every_rank_step_with_exact_decomposition(server: 
     # per step: Σ over ranks of flops / (n_ranks × step_s × peak), step_s the cross-rank median (the steps
     # table's); the summary is the median of that over steps (docs/metrics.md "MFU"). Ranks see different
     # token counts, so the cross-rank mean of flops (not their median) is what the definition divides.
-    expect_mfu = np.median(cols["flops"].sum(axis=1) / (4 * np.median(cols["step_s"], axis=1) * PEAK))
+    # Over the run's steady-state steps (summary.basis: a slow first step is set apart as warm-up).
+    apart = {st for x in s["basis"]["set_apart"] for st in x["steps"]}
+    steady = np.array([int(st) not in apart for st in rank_step_matrix(engine, run["id"], "step_s")[0]])
+    expect_mfu = np.median((cols["flops"].sum(axis=1) / (4 * np.median(cols["step_s"], axis=1) * PEAK))[steady])
     assert s["mfu"] == pytest.approx(expect_mfu, rel=0.02)
-    assert s["packing_efficiency"] == pytest.approx(cols["tokens"].sum() / cols["padded_tokens"].sum(), rel=1e-6)
+    assert s["packing_efficiency"] == pytest.approx(cols["tokens"][steady].sum() / cols["padded_tokens"][steady].sum(),
+                                                    rel=1e-6)
 
     # collectives: DDP's bucketed all-reduce moves exactly the parameter bytes per rank-step, n = 4
     colls = httpx.get(f"{server.url}/api/v1/runs/{run['id']}/collectives").json()["collectives"]
@@ -161,7 +169,7 @@ def test_server_killed_mid_run_loses_and_duplicates_nothing(server: Server, tmp_
     token = server.token()
     env = {"FLEETSCOPE_SERVER": server.url, "FLEETSCOPE_TOKEN": token, "FLEETSCOPE_SPOOL_DIR": str(tmp_path / "spool")}
     box: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: box.setdefault("res", _job("job-kill", steps, env, sleep_ms=250)))
+    t = threading.Thread(target=lambda: box.setdefault("res", _job("job-kill", steps, env, sleep_ms=250, ranks=2)))
     t.start()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # wait until data flows, then kill the server hard
@@ -177,29 +185,30 @@ def test_server_killed_mid_run_loses_and_duplicates_nothing(server: Server, tmp_
     t.join(300)
     res = box["res"]
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert _finished_steps(res.stdout) == [steps] * 4
+    assert _finished_steps(res.stdout) == [steps] * 2
     # the agents replayed what the outage spooled (while running or in their exit flush)
-    s = server.wait_rank_steps("job-kill", 4 * steps, timeout=60)
+    s = server.wait_rank_steps("job-kill", 2 * steps, timeout=60, ranks=2)
     spool = tmp_path / "spool"
     assert not (spool.exists() and any(p.suffix == ".spool" for p in spool.iterdir())), list(spool.iterdir())
-    assert s["rank_steps"] == 4 * steps and s["steps"] == steps, s["rank_steps"]  # 0 lost, 0 duplicated
+    assert s["rank_steps"] == 2 * steps and s["steps"] == steps, s["rank_steps"]  # 0 lost, 0 duplicated
 
 
 def test_offline_job_then_upload_delivers_the_same_data(server: Server, tmp_path: Path) -> None:
     steps = 6
     spool = tmp_path / "spool"
-    res = _job("job-offline", steps, {"FLEETSCOPE_OFFLINE": "1", "FLEETSCOPE_SPOOL_DIR": str(spool)})
+    res = _job("job-offline", steps, {"FLEETSCOPE_OFFLINE": "1", "FLEETSCOPE_SPOOL_DIR": str(spool)}, ranks=2)
     assert res.returncode == 0, res.stderr[-3000:]
     assert any(spool.iterdir())
-    out = subprocess.run([*FS, "upload", str(spool), "--server", server.url, "--token", server.token()],
+    token = server.token()
+    out = subprocess.run([*FS, "upload", str(spool), "--server", server.url, "--token", token],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    s = server.wait_rank_steps("job-offline", 4 * steps)
-    assert s["rank_steps"] == 4 * steps and s["steps"] == steps
+    s = server.wait_rank_steps("job-offline", 2 * steps, ranks=2)
+    assert s["rank_steps"] == 2 * steps and s["steps"] == steps
     # uploading again changes nothing (idempotent)
-    subprocess.run([*FS, "upload", str(spool), "--server", server.url, "--token", server.token()],
+    subprocess.run([*FS, "upload", str(spool), "--server", server.url, "--token", token],
                    capture_output=True, text=True, timeout=120)
-    assert server.wait_rank_steps("job-offline", 4 * steps)["rank_steps"] == 4 * steps
+    assert server.wait_rank_steps("job-offline", 2 * steps, ranks=2)["rank_steps"] == 2 * steps
 
 
 class _BadServer:
@@ -248,9 +257,9 @@ def test_job_finishes_normally_when_the_server_misbehaves(tmp_path: Path) -> Non
         steps = 8
         t0 = time.monotonic()
         res = _job("job-bad", steps, {"FLEETSCOPE_SERVER": f"http://127.0.0.1:{bad.port}", "FLEETSCOPE_TOKEN": "x",
-                                      "FLEETSCOPE_SPOOL_DIR": str(tmp_path / "spool")}, timeout=240)
+                                      "FLEETSCOPE_SPOOL_DIR": str(tmp_path / "spool")}, timeout=240, ranks=2)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        assert _finished_steps(res.stdout) == [steps] * 4
+        assert _finished_steps(res.stdout) == [steps] * 2
         assert bad.n > 0  # it did talk to the bad server
         assert any((tmp_path / "spool").iterdir())  # and kept the data for later
         del t0

@@ -214,11 +214,13 @@ def test_listed_groups_old_agents_truncated_lists_and_an_older_servers_rows_give
         c.ingest({"v": 1, "run_id": old, "ranks": [{"rank": r, "node": _node(r)} for r in range(world)]})
         c.ingest_rows(old, [_step_row(0, 0, 1.0, 0.5)], [(0, 0, 0, "all_reduce", 512, 1 << 20, 1, 0.3, 0.2, 1.7e9, "dp")])
         with srv.app.state.fs.engine.begin() as conn:
-            for r in range(2000):  # 2,000 ranks, each listing 10,000 ranks (what an older server kept)
-                conn.execute(text("INSERT INTO run_events (run_id, rank, seq, kind, data) VALUES (:r, :k, 0, "
-                                  "'comm_group', CAST(:d AS jsonb))"),
-                             {"r": old, "k": r, "d": json.dumps({"dim": "dp", "size": 10_000,
-                                                                 "ranks": list(range(0, world, 8)) * 20})})
+            # 1,100 ranks, each listing 10,000 ranks (what an older server kept), more rows than the read takes
+            # (events.legacy_groups: 1,024): one statement, one row a rank
+            n = conn.execute(text("INSERT INTO run_events (run_id, rank, seq, kind, data) SELECT :r, k, 0, "
+                                  "'comm_group', CAST(:d AS jsonb) FROM generate_series(0, 1099) k"),
+                             {"r": old, "d": json.dumps({"dim": "dp", "size": 10_000,
+                                                         "ranks": list(range(0, world, 8)) * 20})}).rowcount
+            assert n == 1100
         srv.compact()
         dims = c.summary(old)["comm_by_dim"]
     assert dims["dp"]["nodes"] == 256  # from the first 256 ranks of the first 1,024 rows
@@ -465,10 +467,26 @@ def test_the_largest_allowed_event_payloads_give_a_summary_and_run_page_in_bound
         rid = _run(c, "largest", world)
         c.ingest({"v": 1, "run_id": rid, "ranks": [{"rank": r, "node": _node(r)} for r in range(world)],
                   "rank_steps": _steps_batch(rid, [0, 1], 0)})
-        for lo in range(0, MAX_EVENTS_PER_KIND, 2_000):
-            evs = [_ev(i % world, i // world, "pp_stage", {"stage": i % 4, "num_stages": 4, "group_rank": i % 4,
-                                                             "group_size": 4, "pad": pad}) for i in range(lo, lo + 2_000)]
-            assert c.ingest({"v": 1, "run_id": rid, "events": evs})["accepted"]["events"] == 2_000
+        # the first 2,000 through the API; the rest up to the cap are those rows as the server stored them
+        # (event i: rank i % world, seq i // world, stage i % 4; its data is that of the stored event i % 4),
+        # written in one statement, then the counts the server keeps: what 18,000 more events through the
+        # API would store, in a fraction of the time
+        first = 2_000
+        evs = [_ev(i % world, i // world, "pp_stage", {"stage": i % 4, "num_stages": 4, "group_rank": i % 4,
+                                                         "group_size": 4, "pad": pad}) for i in range(first)]
+        assert c.ingest({"v": 1, "run_id": rid, "events": evs})["accepted"]["events"] == first
+        with srv.app.state.fs.engine.begin() as conn:
+            copied = conn.execute(text(
+                "INSERT INTO run_events (run_id, rank, seq, kind, ts, step, data) "
+                "SELECT e.run_id, i % :w, i / :w, e.kind, e.ts, e.step, e.data FROM generate_series(:lo, :hi - 1) i "
+                "JOIN run_events e ON e.run_id = :r AND e.rank = i % 4 AND e.seq = 0 AND e.kind = 'pp_stage'"),
+                {"r": rid, "w": world, "lo": first, "hi": MAX_EVENTS_PER_KIND}).rowcount
+            assert copied == MAX_EVENTS_PER_KIND - first
+            conn.execute(text("UPDATE run_event_counts SET stored = stored + :n WHERE run_id = :r "
+                              "AND kind IN ('pp_stage', '')"), {"r": rid, "n": copied})
+        # the server sees the kind at its cap: one more is dropped and counted
+        more = _ev(0, world, "pp_stage", {"stage": 0, "num_stages": 4, "group_rank": 0, "group_size": 4})
+        assert c.ingest({"v": 1, "run_id": rid, "events": [more]})["accepted"]["events"] == 0
         rng = np.random.default_rng(3)
         n_listed = 64  # the longest lists a group may have, not progressions
         listed = [_ev(0, 10_000 + g, "comm_group", {
@@ -486,7 +504,7 @@ def test_the_largest_allowed_event_payloads_give_a_summary_and_run_page_in_bound
                    for i in range(0, len(prog), 8_192))
         assert kept == MAX_GROUPS_PER_RUN - n_listed
         srv.compact()
-    print(f"ingest of the largest run: {time.monotonic() - t0:.1f} s")
+    print(f"the largest run loaded in {time.monotonic() - t0:.1f} s")
     assert _q(srv, "SELECT count(*) FROM run_groups WHERE run_id = :r", r=rid)[0][0] == MAX_GROUPS_PER_RUN
 
     engine = srv.app.state.fs.engine
@@ -505,7 +523,10 @@ def test_the_largest_allowed_event_payloads_give_a_summary_and_run_page_in_bound
     assert peak / 2**20 < CEILING_MIB and rss.growth_mib < CEILING_MIB
     assert summary is not None and page is not None and good is not None
     assert summary["pipeline"]["stages"] == 4
-    assert summary["folded"]["events_dropped"] == {"comm_group": extra}
+    assert summary["folded"]["events_dropped"] == {"comm_group": extra, "pp_stage": 1}
+    assert _q(srv, "SELECT count(*), count(DISTINCT data->>'stage') FROM run_events WHERE run_id = :r "
+                   "AND kind = 'pp_stage' AND jsonb_array_length(data->'pad') = :n", r=rid, n=len(pad))[0] == (
+        MAX_EVENTS_PER_KIND, 4)  # the cap's worth of the largest events, each stage among them
     assert len(evs) == 500 and all(len(json.dumps(e["data"])) < 16_384 for e in evs)
     assert len(json.dumps(summary, default=str)) < 1 << 20
 

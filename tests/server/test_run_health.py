@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from analysis_util import Receiver
+from fleetscope.server.store import health as health_store
 from health_util import (
     FAST,
     alerts,
@@ -144,18 +145,35 @@ def test_all_ranks_of_a_node_silent_while_others_report_is_node_lost(srv: Any, s
     assert "node n0001 lost" in msgs[0]["text"]
 
 
-def test_the_first_failure_by_time_is_the_root_cause_and_the_run_turns_failed(srv: Any, slack: Receiver) -> None:
+@pytest.fixture
+def manual(db_url: str, slack: Receiver) -> Iterator[Any]:
+    """The server without its background health pass: the test runs each pass itself
+    (``srv.state.health.run_once()``), so nothing races what it sends."""
+    from conftest import start_server
+
+    s = start_server(db_url, slack_webhook_url=slack.url, **{**FAST, "health_enabled": False})
+    yield s
+    s.stop()
+
+
+def test_the_first_failure_by_time_is_the_root_cause_and_the_run_turns_failed(manual: Any, slack: Receiver) -> None:
+    srv = manual
     t0 = time.time() - 60
     now = time.time()
     with srv.client() as c:
         rid = _run(c, "crashy", 4, 6, t0)
         srv.compact()
-        wait_for(state_is(srv, rid, "running"))
-        # the ranks torn down after the root cause report first (the order of arrival must not matter)
+        srv.state.health.run_once()
+        assert state_is(srv, rid, "running")() is not None
+        # the ranks torn down after the root cause report first, and a pass concludes on them before the
+        # root cause lands (the order of arrival must not matter, nor a pass in between)
         torn = [event(r, "failure", {"source": "signal", "signal": "SIGTERM", "exit_code": -15, "rank": r,
                                      "exception": None, "message": None, "frames": [], "phase": "backward"},
                       step=6, ts=now + 2 + r) for r in (0, 1, 3)]
         c.ingest({"v": 1, "run_id": rid, "events": torn})
+        srv.state.health.run_once()
+        (a,) = _health_alerts(srv, rid)
+        assert a["kind"] == "failure" and a["details"]["root_cause"]["rank"] == 0  # the first known so far
         root = event(2, "failure", {
             "source": "exception", "exception": "RuntimeError", "message": "CUDA error: an illegal memory access",
             "frames": [frame("/ws/train.py", 120, "main"), frame("/ws/model/attn.py", 77, "forward")],
@@ -163,7 +181,10 @@ def test_the_first_failure_by_time_is_the_root_cause_and_the_run_turns_failed(sr
         launcher = event(0, "failure", {"source": "launcher", "exit_code": 1, "rank": 2, "message": "exitcode 1"},
                          step=6, ts=now + 5)
         c.ingest({"v": 1, "run_id": rid, "events": [root, launcher, root]})  # a copy of the root: stored once
-        h = wait_for(state_is(srv, rid, "failed"))
+        # the run ended failed already: the pass assesses it again because failures landed since
+        srv.state.health.run_once()
+        h = state_is(srv, rid, "failed")()
+        assert h is not None
     f0 = h["failures"][0]
     assert (f0["rank"], f0["exception"], f0["step"], f0["source"]) == (2, "RuntimeError", 6, "exception")
     assert f0["frames"][-1]["func"] == "forward" and f0["message"] == "CUDA error: an illegal memory access"
@@ -171,15 +192,24 @@ def test_the_first_failure_by_time_is_the_root_cause_and_the_run_turns_failed(sr
     assert h["failed_ranks"] == 4
     assert h["finding"] == ("run crashy failed at step 6: rank 2 (node n0000) raised RuntimeError: CUDA error: an "
                             "illegal memory access in `attn.py:77 forward` during forward; 3 other ranks failed after it")
+    assert h["cause"] == "failure" and h["lost_nodes"] == [] and h["settling"] is False
     assert httpx.get(f"{srv.url}/api/v1/runs/{rid}").json()["status"] == "failed"
-    (a,) = wait_for(lambda: _health_alerts(srv, rid))
-    assert a["kind"] == "failure" and a["details"]["root_cause"]["rank"] == 2
+    # the same alert, its root cause and finding updated in place: not a new incident, not a new page
+    (a2,) = _health_alerts(srv, rid)
+    assert a2["id"] == a["id"] and a2["state"] == "firing" and a2["kind"] == "failure"
+    assert a2["details"]["root_cause"] == {"cause": "failure", "rank": 2, "exception": "RuntimeError", "signal": None,
+                                           "exit_code": 1, "step": 6}
+    assert a2["details"]["finding"].startswith("run crashy failed at step 6: rank 2 (node n0000) raised RuntimeError in")
     msgs = wait_for(lambda: slack.bodies or None)
-    assert "rank 2 (node n0000) raised RuntimeError in `attn.py:77 forward`" in msgs[0]["text"]
+    assert "rank 0 (node n0000) was killed by SIGTERM" in msgs[0]["text"]  # the page as the first pass saw it
     # the exception's message (it may hold a secret) stays in the run's record, out of alerts and Slack
-    assert "illegal memory access" not in str(msgs[0]) and "illegal memory access" not in str(a["details"])
-    time.sleep(0.8)
-    assert len(slack.bodies) == 1 and len(_health_alerts(srv, rid)) == 1
+    assert "illegal memory access" not in str(slack.bodies) and "illegal memory access" not in str(a2["details"])
+    # passes after it change nothing: one alert, one page; the run is no longer assessed (nothing new landed)
+    srv.state.health.run_once()
+    srv.state.health.run_once()
+    assert rid not in [r.run_id for r in health_store.progress(srv.state.engine)]
+    time.sleep(1.0)  # the sinks' delivery loop (every 0.2 s) would have sent a second page by now
+    assert len(slack.bodies) == 1 and [x["id"] for x in _health_alerts(srv, rid)] == [a["id"]]
 
 
 def test_killed_rank_is_named_with_its_signal(srv: Any) -> None:
@@ -386,3 +416,135 @@ def test_health_alerts_in_slack_escape_what_the_job_wrote() -> None:
     assert webhook_payload(alert, "fired")["summary"] == alert["details"]["finding"]
     assert slack_message(alert, "resolved")["text"].startswith("Resolved: the failure of run r was resolved")
     assert slack_message({**alert, "kind": "hang"}, "resolved")["text"].startswith("Resolved: run r resumed")
+
+
+def _peer_failure(rank: int, ts: float, *, message: str = "[gloo/transport/tcp/pair.cc:534] Connection closed by "
+                  "peer [127.0.0.1]:41027", exception: str = "RuntimeError", source: str = "exception") -> Any:
+    from fleetscope.server.store.health import Failure
+
+    return Failure(rank, source, ts, 40, exception, message, [frame("/ws/train.py", 12, "main")], "backward", None, 1)
+
+
+def _evaluate(failures: list[Any], silent: Any, now: float, n_failed: int = 1) -> Any:
+    from fleetscope.server.analysis.health import HealthParams, evaluate
+
+    return evaluate(name="job", status="failed", world_size=8, steps=40, current_step=39, now=now, progress_at=now - 5,
+                    p99_step_s=1.0, failures=failures, n_failed_ranks=n_failed, finished_at=now - 1, pauses=[],
+                    positions=None, nodes={r: f"n{r // 4}" for r in range(8)}, params=HealthParams(silence_s=30.0),
+                    silent=silent)
+
+
+def test_a_peer_error_with_a_node_that_said_nothing_names_that_node_lost_once_it_had_time_to_report() -> None:
+    """The rule (analysis.health._node_lost): the first failure is a rank losing its connection to a peer,
+    and a node's ranks sent no failure record, no exit and no live position — once the settle time after
+    the failure has passed, that node is lost, the root cause; before it the failure stands, settling."""
+    from fleetscope.server.analysis.health import HealthParams, RankSet, SilentNodes, is_peer_error, settle_s
+    from fleetscope.server.store.health import Failure
+
+    t = 10_000.0
+    silent = SilentNodes(nodes=["n1"], count=1, ranks=RankSet.of([4, 5, 6, 7], 1024),
+                         by_node=[{"node": "n1", "ranks": [4, 5, 6, 7], "rank_count": 4}])
+    fails = [_peer_failure(0, t), _peer_failure(1, t + 0.1)]
+    early = _evaluate(fails, silent, now=t + 1, n_failed=4)
+    assert early.state == "failed" and early.cause == "failure"
+    assert early.settle_until == t + settle_s(HealthParams(silence_s=30.0)) == t + 32.0
+    assert early.finding.startswith("run job failed at step 40: rank 0 (node n0) raised RuntimeError")
+    v = _evaluate(fails, silent, now=t + 60, n_failed=4)
+    assert v.state == "failed" and v.kind == "failure" and v.cause == "node_lost" and v.settle_until is None
+    assert v.missing_nodes == ["n1"] and v.missing_ranks == [4, 5, 6, 7] and v.missing_count == 4
+    assert v.lost_nodes == [{"node": "n1", "ranks": [4, 5, 6, 7], "rank_count": 4}]
+    assert v.finding == ("run job failed at step 40: node n1 lost — its 4 ranks (4–7) stopped with no failure or "
+                         "exit reported; then rank 0 (node n0) lost its connection to it (RuntimeError), 3 other "
+                         "ranks after it")
+    assert "Connection closed" not in v.alert_finding  # the message stays in the run's record
+    assert v.detail()["cause"] == "node_lost" and v.detail()["lost_nodes"] == v.lost_nodes
+
+    # a real failure first (not a lost connection): it is the root cause, whatever node said nothing
+    crash = Failure(0, "exception", t, 40, "RuntimeError", "CUDA error: an illegal memory access", [], "forward",
+                    None, 1)
+    v = _evaluate([crash, _peer_failure(1, t + 1)], silent, now=t + 60)
+    assert v.cause == "failure" and v.settle_until is None and v.missing_nodes == []
+    # every node reported (nothing silent): the lost connection is the failure as found
+    v = _evaluate(fails, SilentNodes(), now=t + 60)
+    assert v.cause == "failure" and "raised RuntimeError" in v.finding
+    # ranks the server never heard of, on no known node
+    v = _evaluate(fails, SilentNodes(unreported=RankSet.of([6, 7], 1024)), now=t + 60)
+    assert v.cause == "node_lost" and v.missing_ranks == [6, 7] and v.missing_nodes == []
+    assert v.lost_nodes == [{"node": None, "ranks": [6, 7], "rank_count": 2}]
+    assert "ranks 6–7 (node unknown) never reported; then rank 0 (node n0) lost its connection" in v.finding
+    # what counts as losing a peer
+    assert is_peer_error(_peer_failure(0, t, message="Connection reset by peer", exception="DistBackendError"))
+    assert is_peer_error(_peer_failure(0, t, message="", exception="DistNetworkError"))
+    assert not is_peer_error(crash)
+    assert not is_peer_error(Failure(0, "launcher", t, None, None, None, [], None, "SIGKILL", -9))
+
+
+def test_a_node_that_said_nothing_while_the_others_lost_their_connection_is_lost(manual: Any, slack: Receiver) -> None:
+    """Over the real server and Postgres, the pass driven by the test: 8 ranks on 2 nodes; the ranks of
+    n0000 fail with gloo's "Connection closed by peer", n0001 says nothing. While the settle time runs the
+    run is failed, settling, and not paged; then one failure alert names n0001 lost as the root cause; and
+    a rank that never registered is named with its node unknown."""
+    srv = manual
+    t0 = time.time() - 60
+    with srv.client() as c:
+        rid = c.register_run({"name": "lost-node", "world_size": 8, "started_at": t0})
+        # ranks 0-3 on n0000, 4-6 on n0001; rank 7 never reported anything
+        c.ingest(steps_batch(rid, 8, range(4), t0=t0, ranks=nodes(7)))
+        srv.compact()
+        srv.state.health.run_once()
+        gone = time.time()
+        c.ingest({"v": 1, "run_id": rid, "events": [event(r, "failure", {
+            "source": "exception", "exception": "RuntimeError", "rank": r, "frames": [], "phase": "backward",
+            "message": "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                       "[127.0.0.1]:40123"}, step=4, ts=gone + r * 0.01) for r in range(4)]})
+        c.finish_run(rid, "failed")
+    srv.state.health.run_once()
+    h = health(srv, rid)
+    assert h["state"] == "failed" and h["settling"] is True and h["cause"] == "failure"
+    assert _health_alerts(srv, rid) == []  # held while the silent node may still report
+    assert rid in [r.run_id for r in health_store.progress(srv.state.engine)]  # ended, assessed again
+    settle = srv.state.health.params.silence_s + 2.0
+    time.sleep(max(gone + settle - time.time(), 0.0) + 0.2)  # the settle time passes (the pass is not racing)
+    srv.state.health.run_once()
+    h = health(srv, rid)
+    assert h["state"] == "failed" and h["cause"] == "node_lost" and h["settling"] is False, h
+    assert h["missing_nodes"] == ["n0001"] and h["missing_ranks"] == [4, 5, 6, 7] and h["missing_count"] == 4
+    assert h["lost_nodes"] == [{"node": "n0001", "ranks": [4, 5, 6], "rank_count": 3},
+                               {"node": None, "ranks": [7], "rank_count": 1}]
+    assert h["finding"] == ("run lost-node failed at step 4: node n0001 lost — its 3 ranks (4–6) stopped with no "
+                            "failure or exit reported; rank 7 (node unknown) never reported; then rank 0 (node "
+                            "n0000) lost its connection to it (RuntimeError), 3 other ranks after it")
+    (a,) = _health_alerts(srv, rid)
+    assert a["kind"] == "failure" and a["details"]["root_cause"] == {
+        "cause": "node_lost", "nodes": ["n0001"], "ranks": [4, 5, 6, 7], "rank_count": 4, "step": 4}
+    assert a["details"]["missing_nodes"] == ["n0001"]
+    msgs = wait_for(lambda: slack.bodies or None)
+    assert "node n0001 lost" in msgs[0]["text"] and "Connection closed" not in str(msgs[0])
+    srv.state.health.run_once()  # settled: not assessed again, nothing more sent
+    assert rid not in [r.run_id for r in health_store.progress(srv.state.engine)]
+    time.sleep(1.0)
+    assert len(slack.bodies) == 1 and len(_health_alerts(srv, rid)) == 1
+
+
+def test_the_node_lost_rule_reads_nothing_when_it_cannot_apply_and_a_big_run_once() -> None:
+    """When the silent nodes are read (health_pass._silent_nodes): never for a real failure first, nor
+    when the run's failure records reached their cap (a node without one proves nothing then); a run of
+    more than INLINE_RANKS ranks not while its failure settles (``checked`` False: read once, after)."""
+    from fleetscope.server.analysis.health import HealthParams
+    from fleetscope.server.health_pass import INLINE_RANKS, _silent_nodes
+    from fleetscope.server.limits import MAX_FAILURES_PER_RUN
+    from fleetscope.server.store.health import Failure, RunProgress
+
+    def rp(world: int, now: float) -> RunProgress:
+        return RunProgress(1, "r", "failed", world, 0.0, now, 10, 9, "failed", 9, 0.0, None, 0.0, {}, now, 2)
+
+    params = HealthParams(silence_s=30.0)
+    peer = [_peer_failure(0, 1000.0)]
+    crash = [Failure(0, "exception", 1000.0, 4, "ValueError", "bad batch", [], None, None, 1)]
+    engine: Any = None  # nothing below may read the database
+    assert _silent_nodes(engine, rp(8, 1001.0), params, crash, 1, None) is None
+    assert _silent_nodes(engine, rp(8, 1001.0), params, peer, MAX_FAILURES_PER_RUN, None) is None
+    s = _silent_nodes(engine, rp(INLINE_RANKS + 1, 1001.0), params, peer, 1, None)
+    assert s is not None and s.checked is False
+    v = _evaluate(peer, s, now=1001.0)
+    assert v.settle_until == 1032.0 and v.cause == "failure"

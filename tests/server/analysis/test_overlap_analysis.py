@@ -177,7 +177,8 @@ def test_a_bandwidth_bound_tail_gets_smaller_buckets_and_what_cannot_be_hidden()
     tl = ov.timeline(rs, colls)
     assert tl.backward == pytest.approx((0.010, 0.040))
     assert tl.tail_s == pytest.approx(0.0103)
-    advice = ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=tl.tail_s, step_s=rs.step_s)
+    facts = {"bucket_cap_bytes": 10_000_000, "first_bucket_bytes": 10_000_000, "largest_grad_bytes": 1_000_000}
+    advice = ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=tl.tail_s, step_s=rs.step_s, ddp=facts)
     assert [a["setting"] for a in advice] == ["bucket_cap_mb"]
     assert advice[0]["suggestion"].startswith("lower bucket_cap_mb to about 4.8 ")  # half of 10 MB in MiB
     assert advice[0]["expected_gain_s"] == pytest.approx(0.0103 - 0.0003)  # 30.3 ms of comm in 30 ms of backward
@@ -186,7 +187,7 @@ def test_a_bandwidth_bound_tail_gets_smaller_buckets_and_what_cannot_be_hidden()
     rs, colls = _ddp_step(0, issues=[0.015, 0.020, 0.025], sizes=sizes, alpha=alpha, beta=beta, data=0.0,
                           forward=0.010, backward=0.015, optimizer=0.005, other=0.0)
     tl = ov.timeline(rs, colls)
-    advice = ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=tl.tail_s, step_s=rs.step_s)
+    advice = ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=tl.tail_s, step_s=rs.step_s, ddp=facts)
     by = {a["setting"]: a for a in advice}
     assert set(by) == {"bucket_cap_mb", "gradient bytes"}
     assert by["gradient bytes"]["expected_gain_s"] == pytest.approx(0.0153)
@@ -207,3 +208,81 @@ def test_advice_only_where_exposed_comm_is_a_top_bottleneck() -> None:
     assert ov.overlap_advice([tl], bottlenecks=third, comm_exposed_s=0.006, step_s=0.05)
     # a gain under 1 % of the step is no suggestion
     assert ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=0.006, step_s=100.0) == []
+
+
+def _tail_step(sizes: list[float]) -> tuple[RankStep, ov.Timeline]:
+    """Buckets of ``sizes`` bytes issued 10 ms apart in a backward as long as their all-reduces (1 GB/s):
+    the last one's all-reduce is left after backward."""
+    n = len(sizes)
+    issues = [0.010 + 0.010 * (i + 1) for i in range(n)]
+    rs, colls = _ddp_step(0, issues=issues, sizes=sizes, alpha=1e-4, beta=1e-9, data=0.0, forward=0.010,
+                          backward=0.010 * n, optimizer=0.005, other=0.0)
+    return rs, ov.timeline(rs, colls)
+
+
+def test_no_bucket_cap_below_the_largest_gradient_tensor() -> None:
+    # the issue's case: three 16 MiB gradients, one per bucket — DDP cannot split a parameter, so "lower
+    # bucket_cap_mb to about 8" is impossible: withheld, with the reason, and bf16 / fewer syncs instead
+    mib16 = float(16 << 20)
+    rs, tl = _tail_step([mib16] * 3)
+    assert tl.tail_s and tl.tail_s > 0.01
+    facts = {"bucket_cap_bytes": 25 << 20, "first_bucket_bytes": 1 << 20, "largest_grad_bytes": 16 << 20,
+             "gradient_as_bucket_view": False}
+    advice = ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=tl.tail_s, step_s=rs.step_s, ddp=facts)
+    given = [a for a in advice if not a.get("withheld")]
+    (held,) = [a for a in advice if a.get("withheld")]
+    assert held["setting"] == "bucket_cap_mb" and held["suggestion"] is None
+    assert "cannot split one parameter" in held["withheld"] and "16 MiB" in held["withheld"]
+    assert [a["setting"] for a in given] == ["gradient bytes"]
+    assert "bf16_compress_hook" in given[0]["suggestion"] and given[0]["expected_gain_s"] == pytest.approx(tl.tail_s)
+    assert not any("lower bucket_cap_mb" in str(a["suggestion"]) for a in advice)
+
+    # a largest tensor of 10 MiB: the cap goes down to it, not to half the bucket
+    facts10 = {**facts, "largest_grad_bytes": 10 << 20}
+    rs, tl = _tail_step([float(24 << 20)] * 3)
+    advice = ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=tl.tail_s, step_s=rs.step_s, ddp=facts10)
+    (a,) = [a for a in advice if a["setting"] == "bucket_cap_mb"]
+    assert a["suggestion"].startswith("lower bucket_cap_mb to about 12 ")  # half of 24 MiB ≥ 10 MiB
+    assert "now bucket_cap_mb = 25, 3 buckets of 24 MiB" in a["suggestion"]
+    assert "largest gradient tensor (10 MiB)" in a["why"] and "gradient_as_bucket_view is off" in a["why"]
+    facts20 = {**facts, "largest_grad_bytes": 16 << 20}
+    advice = ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=tl.tail_s, step_s=rs.step_s, ddp=facts20)
+    (a,) = [a for a in advice if a["setting"] == "bucket_cap_mb"]
+    assert a["suggestion"].startswith("lower bucket_cap_mb to about 16 ")  # clamped to the largest tensor
+    # the gain shrinks with the cut: 24 → 16 MiB removes at most two thirds of what halving would
+    full = ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=tl.tail_s, step_s=rs.step_s, ddp=facts10)
+    g_full = next(x for x in full if x["setting"] == "bucket_cap_mb")["expected_gain_s"]
+    assert a["expected_gain_s"] == pytest.approx(g_full * 8 / 12)
+
+
+def test_bucket_size_advice_needs_the_recorded_facts_and_skips_the_first_bucket() -> None:
+    rs, tl = _tail_step([float(24 << 20)] * 3)
+    # an agent that recorded no DDP facts: "unknown", no smaller-bucket advice
+    advice = ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=tl.tail_s, step_s=rs.step_s)
+    assert "bucket_cap_mb" not in [a["setting"] for a in advice if not a.get("withheld")]
+    (held,) = [a for a in advice if a.get("withheld")]
+    assert "largest gradient tensor is unknown" in held["withheld"]
+    # DDP's 1 MiB first bucket is not a bucket of the cap's size: left out of the mean
+    rs, tl = _tail_step([float(1 << 20)] + [float(24 << 20)] * 3)
+    facts = {"bucket_cap_bytes": 25 << 20, "first_bucket_bytes": 1 << 20, "largest_grad_bytes": 4 << 20}
+    advice = ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=tl.tail_s, step_s=rs.step_s, ddp=facts)
+    (a,) = [a for a in advice if a["setting"] == "bucket_cap_mb"]
+    assert "3 buckets of 24 MiB on average besides the first bucket (≤ 1 MiB)" in a["suggestion"]
+    assert a["suggestion"].startswith("lower bucket_cap_mb to about 12 ")
+
+
+def test_fsdp_units_advice_from_the_unit_sizes() -> None:
+    # reduce-scatters issued in backward, the last one left after it
+    rs, colls = _ddp_step(0, issues=[0.020, 0.030, 0.040], sizes=[10e6] * 3, alpha=1e-4, beta=1e-9, data=0.0,
+                          forward=0.010, backward=0.030, optimizer=0.005, other=0.0)
+    colls = [ov.Collective("reduce_scatter", c.dim, c.group_size, c.bytes, c.calls, c.start_ts, c.total_s, c.exposed_s)
+             for c in colls]
+    tl = ov.timeline(rs, colls)
+    even = {"units": 4, "largest_unit_bytes": 40 << 20, "smallest_unit_bytes": 30 << 20}
+    advice = ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=tl.tail_s, step_s=rs.step_s, fsdp=even)
+    (held,) = [a for a in advice if a.get("withheld")]
+    assert held["setting"] == "fully_shard units" and "similar size" in held["withheld"]
+    uneven = {"units": 2, "largest_unit_bytes": 400 << 20, "smallest_unit_bytes": 10 << 20}
+    advice = ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=tl.tail_s, step_s=rs.step_s, fsdp=uneven)
+    (a,) = [a for a in advice if a["setting"] == "fully_shard units"]
+    assert not a.get("withheld") and "now 2 units, the largest 400 MiB" in a["suggestion"]

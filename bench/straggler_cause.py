@@ -13,6 +13,11 @@ Postgres, loopback HTTP) with 3–6 culprit ranks of different kinds drawn by th
 - ``data``: one rank whose data loading takes 12–25× as long (``--slow-loader RANK=FACTOR``; data is ~2 % of
   the step, so the rank is ~1.25–1.5× slower).
 
+Confounders in every fleet (they must not change what is named): 1–2 healthy ranks whose GPU throttles
+(power) about half the time without being slower (power capping that costs nothing), and every other
+``data`` culprit's GPU also throttles (power) half the time — its excess is in data loading, which no GPU
+clock explains, so its cause must stay ``data``. ``--no-confounders`` leaves them out.
+
 What the server names, read from the run summary (``GET /api/v1/runs/{id}/summary``): each straggler with
 its ``cause`` — a throttle reason when its device throttled (the reason is the named kind), else its late
 component (``data``, ``compute``, ``other``) — and each network-slow rank (``network.slow_ranks``, and the
@@ -64,6 +69,25 @@ def draw(seed: int, ranks: int) -> dict[int, tuple[str, float]]:
     return out
 
 
+def bystanders(seed: int, ranks: int, culprits: dict[int, tuple[str, float]]) -> list[int]:
+    """Ranks whose GPU throttles (power) with no slowdown: 1–2 healthy ranks and every other ``data`` culprit."""
+    rng = random.Random(f"straggler-cause-bystanders:{seed}")
+    healthy = [r for r in range(ranks) if r not in culprits]
+    data = sorted(r for r, (k, _) in culprits.items() if k == "data")
+    return rng.sample(healthy, rng.randint(1, 2)) + data[::2]
+
+
+def throttle_windows(ranks: list[int], world: int, t_lo: float, t_hi: float) -> list[dict[str, Any]]:
+    """``device`` windows over [t_lo, t_hi) of ``ranks`` whose GPU sat at its power cap (as the agent sends)."""
+    from fleetscope.simulate import _Events, device_events
+
+    ev = _Events()
+    for r in ranks:
+        ev.seq[r] = 5_000_000  # apart from the simulation's own device events
+    evs = device_events(world, {r: "power" for r in ranks}, t_lo, t_hi, ev, max_windows=1, window_s=t_hi - t_lo)
+    return [e for e in evs if e["rank"] in set(ranks)]
+
+
 def named(summary: dict[str, Any]) -> set[tuple[int, str]]:
     """(rank, kind) pairs the run summary names (see the module docstring)."""
     out: set[tuple[int, str]] = set()
@@ -80,7 +104,7 @@ def named(summary: dict[str, Any]) -> set[tuple[int, str]]:
     return out
 
 
-def run_fleet(base: str, token: str, i: int, seed: int, steps: int) -> dict[str, Any]:
+def run_fleet(base: str, token: str, i: int, seed: int, steps: int, confounders: bool = True) -> dict[str, Any]:
     import httpx
 
     from fleetscope.simulate import run_simulation
@@ -96,6 +120,14 @@ def run_fleet(base: str, token: str, i: int, seed: int, steps: int) -> dict[str,
     h = {"Authorization": f"Bearer {token}"}
     runs = httpx.get(f"{base}/api/v1/runs", params={"name": name}, headers=h, timeout=60).json()
     rid = next(r["id"] for r in runs["runs"] if r["name"] == name)
+    by = bystanders(seed, ranks, culprits) if confounders else []
+    if by:  # after the steps' span (1 s steps from RunSpec's start): half of each such rank's telemetry time
+        from fleetscope.synthetic import RunSpec
+
+        t1 = RunSpec(name=name, family="llm-70b", world_size=ranks, steps=steps).start_ts + steps * 1.0 + 5.0
+        evs = throttle_windows(by, ranks, t1, t1 + steps)
+        httpx.post(f"{base}/api/v1/ingest", json={"v": 1, "run_id": rid, "events": evs}, headers=h,
+                   timeout=120).raise_for_status()
     deadline = time.monotonic() + 300
     summary: dict[str, Any] = {}
     while time.monotonic() < deadline:  # compaction lands the rollups the straggler report reads
@@ -109,7 +141,7 @@ def run_fleet(base: str, token: str, i: int, seed: int, steps: int) -> dict[str,
     truth = {(r, k) for r, (k, _) in culprits.items()}
     extra = int((summary.get("network") or {}).get("slow_ranks_total") or 0) - len(
         (summary.get("network") or {}).get("slow_ranks") or [])
-    return {"seed": seed, "ranks": ranks, "culprits": culprits, "named": got, "tp": len(got & truth),
+    return {"seed": seed, "ranks": ranks, "culprits": culprits, "named": got, "bystanders": by, "tp": len(got & truth),
             "fp": len(got - truth) + max(extra, 0), "fn": len(truth - got)}
 
 
@@ -118,13 +150,13 @@ def main() -> None:
     ap.add_argument("--fleets", type=int, default=8)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0, help="first fleet's seed (the others follow)")
+    ap.add_argument("--no-confounders", action="store_true", help="no throttling GPUs besides the culprits'")
     args = ap.parse_args()
     print(f"load before: {os.getloadavg()}", flush=True)
 
+    import httpx
     from fleetscope.server.auth import create_token
     from fleetscope.server.db import EmbeddedPostgres, make_engine, upgrade
-
-    import httpx
 
     tmp = Path(tempfile.mkdtemp(prefix="fs-cause-", dir="/tmp"))
     pg = EmbeddedPostgres(tmp)
@@ -152,12 +184,13 @@ def main() -> None:
                 raise RuntimeError("server did not start")
             time.sleep(0.2)
         for i in range(args.fleets):
-            res = run_fleet(base, token, i, args.seed + i, args.steps)
+            res = run_fleet(base, token, i, args.seed + i, args.steps, not args.no_confounders)
             results.append(res)
             inj = ", ".join(f"{r}:{k}" for r, (k, _) in sorted(res["culprits"].items()))
             wrong = sorted(p for p in res["named"] if p not in {(r, k) for r, (k, _) in res["culprits"].items()})
             print(f"fleet seed={res['seed']:<3} ranks={res['ranks']:<4} injected [{inj}]  tp={res['tp']} fp={res['fp']} "
-                  f"fn={res['fn']}" + (f"  wrong {wrong}" if wrong else ""), flush=True)
+                  f"fn={res['fn']}" + (f"  bystanders {res['bystanders']}" if res["bystanders"] else "")
+                  + (f"  wrong {wrong}" if wrong else ""), flush=True)
     finally:
         if server is not None:
             server.terminate()

@@ -477,7 +477,9 @@ def simulate(
         "--hold", min=0.0, help="--hang: keep re-sending the positions every 5 s for this many seconds")] = 0.0,
     job_id: Annotated[Optional[str], typer.Option("--job-id", help="job identity shared by the attempts")] = None,
     realistic: Annotated[bool, typer.Option(
-        "--realistic", help="the family's own parallelism, memory and collective placement (as the demo)")] = False,
+        "--realistic/--legacy-model", help="the family's own parallelism, memory and collective placement (as the "
+        "demo; the default); --legacy-model: one DDP-like model for every family, its collectives at the step's "
+        "start")] = True,
     throttle: Annotated[Optional[list[str]], typer.Option(
         "--throttle", help="RANK:REASON (repeatable; power, thermal, hw_slowdown): that rank's GPU throttles, the "
                            "rank is slower and device telemetry shows why")] = None,

@@ -378,13 +378,16 @@ def _base(spec: RunSpec) -> dict[str, float]:
 def _realistic_base(spec: RunSpec, compute: float) -> dict[str, float]:
     total, exposed = _realistic_comm(spec, compute)
     sh = spec.shift
+    # step_ms: every part of the step (work and communication alike) scaled to that median step
+    scale = spec.step_ms / 1e3 / (1.05 * compute + exposed) if spec.step_ms else 1.0
     return {
-        "compute": compute * spec.slow_factor * sh.get("compute_s", 1.0),
-        "comm_total": total,
+        "compute": compute * scale * spec.slow_factor * sh.get("compute_s", 1.0),
+        "comm_total": total * scale,
         "overlap": 1.0 - exposed / total if total > 0 else 1.0,
-        "data": 0.02 * compute * sh.get("data_s", 1.0),
-        "other": 0.03 * compute * sh.get("other_s", 1.0),
+        "data": 0.02 * compute * scale * sh.get("data_s", 1.0),
+        "other": 0.03 * compute * scale * sh.get("other_s", 1.0),
         "exposed_factor": sh.get("comm_exposed_s", 1.0),
+        "scale": scale,
     }
 
 
@@ -530,12 +533,14 @@ def _realistic_collectives(spec: RunSpec, step: int, rank_rows: list[tuple]) -> 
     at the end of that last reduction (the optimizer waits for the last gradients)."""
     names = [f.name for f in RANK_STEP_FIELDS]
     ix = {k: names.index(k) for k in ("ts", "data_s", "forward_s", "backward_s", "comm_total_s", "comm_exposed_s")}
-    plan = _plan(spec)
+    b = _base(spec)
+    sc = b.get("scale", 1.0)  # --step-ms: the model's seconds scaled to the forced step
+    plan = [{**c, "s": c["s"] * sc} for c in _plan(spec)]
     base_total = sum(c["s"] for c in plan) or 1.0
     grads = [i for i, c in enumerate(plan) if c["op"] in ("all_reduce", "reduce_scatter")]
     last_grad = grads[-1] if grads else len(plan) - 1
-    b = _base(spec)
-    waits = _exposure(spec, b["compute"] / spec.slow_factor / spec.shift.get("compute_s", 1.0))
+    waits = {k: v * sc for k, v in _exposure(spec, b["compute"] / spec.slow_factor / spec.shift.get("compute_s", 1.0)
+                                             / sc).items()}
     bwd_ag = next((i for i, c in enumerate(plan) if c["op"] == "all_gather" and c["when"] == "backward"), None)
     out = []
     for row in rank_rows:

@@ -83,17 +83,31 @@ def _ghz(mhz: float | None) -> str:
     return f"{float(mhz) / 1000:.2f} GHz" if mhz is not None else "?"
 
 
-def device_cause(rank_fig: Mapping[str, Any] | None, slowdown: float | None = None) -> dict[str, Any] | None:
+#: straggler components a GPU's clocks cannot explain: a rank late in data loading waits on its loader (CPU,
+#: storage, network), so a throttle on its GPU is a bystander there, not the cause
+NOT_DEVICE_BOUND = frozenset({"data"})
+
+
+def device_cause(rank_fig: Mapping[str, Any] | None, slowdown: float | None = None,
+                 component: str | None = None) -> dict[str, Any] | None:
     """What the rank's device says about its slowness (a ``device_report`` rank): the throttle reason with
-    its share of time and the clocks against the peers', XID / ECC errors; None when the device was fine."""
+    its share of time and the clocks against the peers', XID / ECC errors; None when the device was fine.
+    ``component``: where the straggler's excess is (``analysis.stragglers``); when it is one no GPU clock
+    explains (``NOT_DEVICE_BOUND``: data loading), the throttle is reported as ``throttle_reason`` but is not
+    the ``reason`` — the cause stays the component."""
     if not rank_fig:
         return None
     reason = rank_fig.get("reason")
     errors = bool(rank_fig.get("xid")) or bool(rank_fig.get("ecc_errors"))
     if reason is None and not errors:
         return None
+    bystander = reason is not None and component in NOT_DEVICE_BOUND
     bits = []
-    if reason is not None:
+    if bystander and reason is not None:
+        share = float(rank_fig["throttle_share"].get(reason, rank_fig.get("throttled_share") or 0.0))
+        bits.append(f"its excess is in {component}, which its GPU's clocks do not explain (its GPU also "
+                    f"{REASON_TEXT.get(reason, reason)} {100 * min(share, 1.0):.0f} % of the time)")
+    elif reason is not None:
         share = float(rank_fig["throttle_share"].get(reason, rank_fig.get("throttled_share") or 0.0))
         bits.append(f"its GPU {REASON_TEXT.get(reason, reason)} {100 * min(share, 1.0):.0f} % of the time")
         if rank_fig.get("sm_clock_mhz") is not None and rank_fig.get("peers_sm_clock_mhz") is not None:
@@ -106,7 +120,7 @@ def device_cause(rank_fig: Mapping[str, Any] | None, slowdown: float | None = No
         bits.append(f"{int(rank_fig['ecc_errors'])} uncorrected ECC errors")
     head = f"rank {rank_fig['rank']}" + (f" is {float(slowdown):.2f}× slower" if slowdown else "")
     return {
-        "reason": reason, "throttle": list(rank_fig.get("throttle") or []),
+        "reason": None if bystander else reason, "throttle_reason": reason, "throttle": list(rank_fig.get("throttle") or []),
         "throttled_share": rank_fig.get("throttled_share"), "sm_clock_mhz": rank_fig.get("sm_clock_mhz"),
         "peers_sm_clock_mhz": rank_fig.get("peers_sm_clock_mhz"), "temp_c_max": rank_fig.get("temp_c_max"),
         "power_w": rank_fig.get("power_w"), "power_limit_w": rank_fig.get("power_limit_w"),
@@ -118,14 +132,16 @@ def device_cause(rank_fig: Mapping[str, Any] | None, slowdown: float | None = No
 def attach_device_causes(report: dict[str, Any], devices: Mapping[str, Any] | None) -> dict[str, Any]:
     """A copy of a straggler report whose stragglers each carry ``cause``: ``{"component", "reason", "device",
     "text"}`` — ``reason`` and ``device`` from the rank's device telemetry when it throttled or logged
-    errors (None otherwise); the report gains ``devices_throttled`` (ranks)."""
+    errors (None otherwise; ``reason`` also None when its excess is in data loading, which a throttled GPU
+    does not explain: ``device.throttle_reason`` keeps what the GPU did); the report gains
+    ``devices_throttled`` (ranks)."""
     by_rank = {int(r["rank"]): r for r in (devices or {}).get("ranks", [])}
     out = dict(report)
     items = []
     for it in report.get("stragglers", []):
         it = dict(it)
-        dev = device_cause(by_rank.get(int(it["rank"])), it.get("slowdown"))
         comp = it.get("component")
+        dev = device_cause(by_rank.get(int(it["rank"])), it.get("slowdown"), comp)
         text = dev["text"] if dev else (f"rank {it['rank']} is {float(it['slowdown']):.2f}× slower; its excess is in "
                                         f"{comp}" if it.get("slowdown") and comp else None)
         it["cause"] = {"component": comp, "reason": dev["reason"] if dev else None, "device": dev, "text": text}

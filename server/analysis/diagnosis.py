@@ -87,7 +87,8 @@ _FSDP_SETTINGS = ("fully_shard units", "reshard_after_forward", "set_modules_to_
 #: ``overlap_advice`` setting -> the kind of change it is (one item per cause and kind)
 _SETTING_KINDS = {"bucket_cap_mb": "bucketing", "fully_shard units": "bucketing", "gradient bytes": "gradient bytes",
                   "reshard_after_forward": "resharding", "set_modules_to_forward_prefetch": "prefetch",
-                  "set_modules_to_backward_prefetch": "prefetch"}
+                  # the no-memory alternative to resharding for the same (backward) all-gathers
+                  "set_modules_to_backward_prefetch": "resharding"}
 #: bottleneck component -> the diagnosis causes it holds
 _COMPONENT_CAUSES = {"data": ("data",), "other": ("other",), "compute": ("compute",),
                      "straggler_wait": ("straggler_wait",),
@@ -365,6 +366,8 @@ def diagnose(*, step_s: float | None, shares: Mapping[str, float] | None, colls:
             fix = {"data": "its input pipeline (loader workers, disk, network)", "compute": "its device (clocks, "
                    "thermals, a degraded GPU) or the work it gets", "other": "its host (CPU contention, launch overhead)"}
             dev = None if st.get("nodes") else (st["stragglers"][0].get("cause") or {}).get("device")
+            if dev and dev.get("reason") is None and dev.get("throttle_reason") and comp == "data":
+                dev = None  # late in data loading: its GPU's throttle is a bystander, the input pipeline is the fix
             look = f"its GPU ({dev['text']})" if dev else fix.get(comp, "it")  # the device's own telemetry
             advice.append({"cause": "straggler_wait", "kind": "slow rank",
                            "text": f"fix or replace {who}: look at {look}; every "

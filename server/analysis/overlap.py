@@ -503,7 +503,8 @@ def _reshard_items(ag_bytes: float, ag_calls: float, n_ag: int, exposed: float, 
     peak = peak if peak is not None and peak > 0 else None
     total = device_total if device_total is not None and device_total > 0 else None
     cost = (f"keeping them unsharded from forward to backward (reshard_after_forward=False) holds ~{_gb(extra_all)} "
-            f"more per rank for all {calls:.0f} units (~{_gb(unit)} per unit: gathered less the local shard)")
+            f"more per rank for its {calls:.0f} unit{'s' if calls != 1 else ''} (~{_gb(unit)} per unit: gathered less the "
+            "local shard)")
     items: list[dict[str, Any]] = []
     held: list[dict[str, Any]] = []
     if peak is not None and total is not None:
@@ -519,12 +520,12 @@ def _reshard_items(ag_bytes: float, ag_calls: float, n_ag: int, exposed: float, 
             return items, held
         k = int(room // unit) if unit > 0 and room > 0 else 0
         k = min(k, int(calls) - 1)
-        if k >= 1:
-            gain = exposed * k / calls
+        gain = exposed * k / calls
+        if k >= 1 and gain >= LIMITS["min_gain_share"] * step:
             items.append(_item(
                 "reshard_after_forward",
                 f"fully_shard(..., reshard_after_forward=False) for at most {k} of the {calls:.0f} blocks whose "
-                "all-gather is exposed in backward (the last ones in forward: the first backward needs)",
+                "all-gather is exposed in backward (the last blocks of forward: backward needs them first)",
                 gain, step,
                 f"all-gathers issued in backward expose {_ms(exposed)} per step; {cost}. All of them do not fit "
                 f"(peak {_gb(peak)} + {_gb(extra_all)} > {MEMORY_FILL:.0%} of the device's {_gb(total)}); {k} "
@@ -532,7 +533,9 @@ def _reshard_items(ag_bytes: float, ag_calls: float, n_ag: int, exposed: float, 
                 f"of the step: {k} of {calls:.0f} all-gathers)."))
             return items, held
         why = (f"{cost}, but the device has no room for even one unit: peak {_gb(peak)} + {_gb(unit)} > "
-               f"{MEMORY_FILL:.0%} of the device's {_gb(total)}")
+               f"{MEMORY_FILL:.0%} of the device's {_gb(total)}" if k < 1 else
+               f"{cost}, but the device ({_gb(total)}, {MEMORY_FILL:.0%} of it usable) has room beside the peak "
+               f"({_gb(peak)}) for {k} of them only, removing at most {_ms(gain)} ({_pct(gain / step)} of the step)")
     else:
         known = (f"the peak is {_gb(peak)} per rank" if peak is not None else "the peak memory was not measured")
         why = (f"{cost}; {known} and the device's memory is not reported to fleetscope (nor is there one on CPU), so "

@@ -7,7 +7,13 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from ..analysis.devices import attach_device_causes, device_cause, device_finding, device_report, rank_device_nodes
+from ..analysis.devices import (
+    attach_device_causes,
+    device_cause,
+    device_finding,
+    device_report,
+    rank_device_nodes,
+)
 from ..analysis.regressions import Regression
 from ..store import devices as device_store
 from ..store import runs as run_store
@@ -52,11 +58,13 @@ def with_device_causes(engine: Engine, run: RunRow, report: dict[str, Any]) -> d
     return attach_device_causes(report, _cache.cached("devices", engine, run, lambda: devices_of(engine, run.id)))
 
 
-def straggler_device_cause(engine: Engine, run_id: int, rank: int, slowdown: float | None) -> dict[str, Any] | None:
-    """The device condition of one straggler rank (``analysis.devices.device_cause``), or None."""
+def straggler_device_cause(engine: Engine, run_id: int, rank: int, slowdown: float | None,
+                           component: str | None = None) -> dict[str, Any] | None:
+    """The device condition of one straggler rank (``analysis.devices.device_cause``; ``component``: where its
+    excess is — a throttle does not explain data loading), or None."""
     rep = devices_of(engine, run_id)
     fig = next((r for r in rep["ranks"] if r["rank"] == int(rank)), None)
-    return device_cause(fig, slowdown)
+    return device_cause(fig, slowdown, component)
 
 
 def node_device_trouble(engine: Engine, *, since_s: float | None = None, limit: int = 100) -> list[dict[str, Any]]:

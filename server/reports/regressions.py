@@ -145,7 +145,7 @@ def straggler_finding(engine: Engine, run_id: int) -> rg.Regression | None:
         return reg
     fig = figures(engine, [run])[run.id]
     reg.details["cause"] = explain.straggler_cause(top, fig.decomposition)
-    dev = straggler_device_cause(engine, run_id, int(top["rank"]), top.get("slowdown"))
+    dev = straggler_device_cause(engine, run_id, int(top["rank"]), top.get("slowdown"), top.get("component"))
     if dev is not None:  # its GPU throttled or logged errors: the reason goes into the alert's cause
         reg.details["cause"] = {**(reg.details["cause"] or {"basis": "rank_vs_median", "rank": top["rank"],
                                                              "slowdown": top.get("slowdown")}),

@@ -78,7 +78,8 @@ def test_serve_without_url_runs_embedded_postgres_and_stops_it(tmp_data_dir: Pat
         proc.wait(60)
 
 
-def test_db_upgrade_and_token_create_with_a_database_url(db_url: str) -> None:
+def test_db_upgrade_and_token_create_with_a_database_url(empty_db_url: str) -> None:
+    db_url = empty_db_url  # `db upgrade` migrates a new, empty database from nothing
     out = subprocess.run([*FS, "db", "upgrade", "--database-url", db_url], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     out = subprocess.run([*FS, "token", "create", "--name", "x", "--database-url", db_url],

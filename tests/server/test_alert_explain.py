@@ -100,7 +100,7 @@ def test_a_comm_regression_at_a_config_change_explains_itself_in_the_api_slack_a
     out = CliRunner().invoke(app, ["simulate", "--server", srv.url, "--token", srv.token, "--run", bad[0].name,
                                    "--family", FAMILY, "--ranks", str(RANKS), "--steps", str(STEPS), "--seed", str(bad[0].seed),
                                    "--shift", f"comm_exposed_s={SHIFT}", "--config-json", json.dumps(bad_cfg),
-                                   "--commit", "bad0000"])
+                                   "--commit", "bad0000", "--legacy-model"])  # the model run_simulation sends
     assert out.exit_code == 0, out.output
     for s in bad[1:]:
         run_simulation(run=s.name, seed=s.seed, config=s.config, git_commit=s.git_commit, shift=s.shift, **common)

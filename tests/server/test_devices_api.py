@@ -160,3 +160,68 @@ def test_simulate_throttle_on_1024_ranks_finds_the_rank_with_its_reason_in_cause
         assert len(nodes) == 3 and nodes[2]["runs_throttled"] == 0 and nodes[0]["runs"] == 1
     finally:
         srv.stop()
+
+
+def test_a_data_straggler_whose_gpu_also_throttled_keeps_data_as_its_cause() -> None:
+    """A rank late in data loading whose GPU sat at its power cap half the time (a bystander throttle): its
+    cause stays ``data`` — the throttle is reported (``device.throttle_reason``) but is not the ``reason`` — while
+    a compute straggler with the same GPU figures is named by the throttle (bench/straggler_cause.py's confounder)."""
+    from fleetscope.server.analysis.devices import device_cause
+
+    figs = [{"rank": r, "host": "h", "node": "n0", "windows": 2, "seconds": 60.0, "sm_clock_mhz_median": 1980.0,
+             "throttle_mask": 0, "throttled_s": 0.0, "reason_s": {}, "xid": [], "ecc_errors": 0} for r in range(8)]
+    for r in (2, 4):
+        figs[r].update(sm_clock_mhz_median=1700.0, throttle_mask=1 << 2, throttled_s=30.0, reason_s={"power": 30.0})
+    figs[4].update(xid=[79])
+    dev = device_report(9, figs)
+    assert dev["throttled_ranks"] == [2, 4]
+    rep = {"stragglers": [{"rank": 2, "slowdown": 1.4, "component": "data"},
+                          {"rank": 4, "slowdown": 1.2, "component": "compute"}]}
+    c2, c4 = (s["cause"] for s in attach_device_causes(rep, dev)["stragglers"])
+    assert c2["component"] == "data" and c2["reason"] is None
+    assert c2["device"]["reason"] is None and c2["device"]["throttle_reason"] == "power"
+    assert c2["text"] == ("rank 2 is 1.40× slower; its excess is in data, which its GPU's clocks do not explain "
+                          "(its GPU also sat at its power cap 50 % of the time)")
+    assert c4["reason"] == "power" and c4["device"]["throttle_reason"] == "power"
+    assert "XID 79" in c4["text"] and "power cap 50 %" in c4["text"]
+    # without a component (the alert's older callers) the throttle is still the reason
+    assert device_cause(next(r for r in dev["ranks"] if r["rank"] == 2), 1.4)["reason"] == "power"  # type: ignore[index]
+
+
+def test_nodes_rank_by_xid_then_ecc_then_throttled_share() -> None:
+    from fleetscope.server.analysis.devices import rank_device_nodes
+
+    def node(name: str, xid: int = 0, ecc: int = 0, thr: float = 0.0, runs_thr: int = 0) -> dict[str, Any]:
+        return {"node": name, "runs": 3, "runs_throttled": runs_thr, "throttled_s": thr, "seconds": 100.0,
+                "xid_windows": xid, "ecc_errors": ecc}
+
+    nodes = [node("a", thr=80.0, runs_thr=3), node("b", ecc=2), node("c"), node("d", xid=1, thr=5.0, runs_thr=1),
+             node("e", thr=20.0, runs_thr=1), node("f", thr=500.0, runs_thr=1)]
+    ranked = rank_device_nodes(nodes)
+    assert [n["node"] for n in ranked] == ["d", "b", "f", "a", "e"]  # c had no trouble
+    assert [n["throttled_share"] for n in ranked] == [0.05, 0.0, 1.0, 0.8, 0.2]  # capped at 1
+    assert [n["node"] for n in rank_device_nodes(nodes, trouble_only=False)][-1] == "c"
+
+
+def test_the_diagnosis_points_a_data_straggler_at_its_input_pipeline_not_its_bystander_gpu() -> None:
+    from fleetscope.server.analysis.diagnosis import diagnose
+
+    figs = [{"rank": r, "host": "h", "node": "n0", "windows": 2, "seconds": 60.0, "sm_clock_mhz_median": 1980.0,
+             "throttle_mask": 0, "throttled_s": 0.0, "reason_s": {}, "xid": [], "ecc_errors": 0} for r in range(8)]
+    figs[3].update(throttle_mask=1 << 2, throttled_s=30.0, reason_s={"power": 30.0})
+    dev = device_report(1, figs)
+    shares = {"data": 0.05, "compute": 0.6, "other": 0.05, "comm_exposed": 0.05, "straggler_wait": 0.25}
+
+    def advice(component: str, most_ranks: bool = False) -> str:
+        rep = attach_device_causes({"stragglers": [{"rank": 3, "host": "h", "slowdown": 1.4, "component": component,
+                                                    "kind": "persistent"}], "nodes": []}, dev)
+        # data stalls on most ranks too: the wait for rank 3 stays "waiting for the slowest rank" with its advice
+        bn = [{"component": "data", "findings": ["input pipeline stalls: 5 % of the step on most ranks"]}] if most_ranks else []
+        d = diagnose(step_s=1.0, shares=shares, colls=[], world_size=8, stragglers=rep, bottlenecks=bn)
+        assert d is not None
+        return " ".join(a["text"] for a in d["advice"])
+
+    assert "rank 3 (h)'s input pipeline" in advice("data") and "GPU" not in advice("data")
+    assert "fix or replace rank 3: look at its input pipeline" in advice("data", most_ranks=True)
+    assert "GPU" not in advice("data", most_ranks=True)
+    assert "look at its GPU (rank 3 is 1.40× slower; its GPU sat at its power cap 50 %" in advice("compute", True)

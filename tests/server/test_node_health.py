@@ -34,7 +34,8 @@ def _rid(srv: Any, name: str) -> int:
 def test_a_slow_node_is_named_by_the_summary_and_ranked_first_across_runs(live_server: Any) -> None:
     srv = ["--server", live_server.url, "--token", live_server.token]
     out = CliRunner().invoke(app, ["simulate", *srv, "--run", "slow-a", "--family", "vla-7b", "--ranks", "32",
-                                   "--steps", "20", "--seed", "1", "--slow-node", f"{SLOW}=2"])
+                                   "--steps", "20", "--seed", "1", "--slow-node", f"{SLOW}=2",
+                                   "--legacy-model"])  # the model of the run_simulation runs it is ranked against
     assert out.exit_code == 0, out.output
     for i in (2, 3):
         run_simulation(server=live_server.url, token=live_server.token, run=f"slow-{i}", family="vla-7b", ranks=32,

@@ -43,9 +43,9 @@ def test_simulated_token_skew_is_found_and_named(live_server: Any) -> None:
         (run,) = c.run_list(name="skew")
         tb = c.summary(run["id"])["token_balance"]
 
-    # what was sent, from the generator
+    # what was sent, from the generator (simulate's default: the realistic model)
     spec = RunSpec(name="skew", family=FAMILY, world_size=RANKS, steps=STEPS, seed=3, token_skew={SKEWED: FACTOR},
-                   token_skew_modality="vision")
+                   token_skew_modality="vision", realistic=True)
     sent: dict[tuple[int, str], list[int]] = {}
     rel = []
     for step, rows in rank_step_rows(spec):

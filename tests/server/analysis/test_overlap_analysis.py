@@ -76,16 +76,20 @@ def test_fsdp_gathers_and_reduce_scatters_are_split_by_phase() -> None:
     assert tl.overlap_ratio == pytest.approx(1 - 0.029 / 0.039)
     assert tl.backward_overlap_ratio == pytest.approx(1 - 0.018 / 0.028)
 
+    # the device's memory unknown: keeping parameters unsharded is not advised blindly — its cost is said
+    # (withheld) and backward prefetch (one more unit gathered at a time) is advised instead
     advice = ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=0.028, step_s=0.110, mem_peak_bytes=2e9)
     assert [a["setting"] for a in advice] == ["fully_shard units", "set_modules_to_forward_prefetch",
-                                              "reshard_after_forward"]
-    assert [a["expected_gain_s"] for a in advice] == pytest.approx([0.012, 0.010, 0.006])
-    assert [a["expected_gain_share"] for a in advice] == pytest.approx([0.012 / 0.110, 0.010 / 0.110, 0.006 / 0.110])
+                                              "set_modules_to_backward_prefetch", "reshard_after_forward"]
+    assert [a["expected_gain_s"] for a in advice] == pytest.approx([0.012, 0.010, 0.006, 0.0])
+    assert [a["expected_gain_share"] for a in advice] == pytest.approx([0.012 / 0.110, 0.010 / 0.110, 0.006 / 0.110, 0])
     assert all(a["bound"] == "upper" for a in advice)
-    reshard = advice[2]
-    assert "reshard_after_forward=False" in reshard["suggestion"] and "set_modules_to_backward_prefetch" in reshard["suggestion"]
-    assert "~6 MB more memory per rank" in reshard["why"]  # 8 MB gathered × 3/4
-    assert "peak memory is 2 GB" in reshard["why"] and "not reported" in reshard["why"]
+    prefetch, reshard = advice[2], advice[3]
+    assert "set_modules_to_backward_prefetch" in prefetch["suggestion"] and "reshard_after_forward=False" not in (
+        prefetch["suggestion"])
+    assert reshard["suggestion"] is None and reshard["withheld"]
+    assert "~6 MB more per rank" in reshard["withheld"]  # 8 MB gathered × 3/4
+    assert "the peak is 2 GB" in reshard["withheld"] and "not reported" in reshard["withheld"]
 
 
 def test_other_time_before_forward_and_collectives_of_other_dimensions() -> None:
@@ -286,3 +290,39 @@ def test_fsdp_units_advice_from_the_unit_sizes() -> None:
     advice = ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=tl.tail_s, step_s=rs.step_s, fsdp=uneven)
     (a,) = [a for a in advice if a["setting"] == "fully_shard units"]
     assert not a.get("withheld") and "now 2 units, the largest 400 MiB" in a["suggestion"]
+
+
+def _fsdp_backward_gathers() -> tuple[RankStep, ov.Timeline]:
+    """An FSDP step whose four 80 MB backward all-gathers (group of 8) expose 24 ms, peak 60 GB."""
+    rs = RankStep(3, 0, TS, 0.200, 0.0, 0.050, 0.100, 0.010, 0.010, 0.030, 0.060, mem_peak_bytes=60e9)
+    colls = [Collective("all_gather", "dp", 8, 80e6, 1, TS + 0.050 + 0.025 * i, 0.008, 0.006) for i in range(4)]
+    colls += [Collective("reduce_scatter", "dp", 8, 80e6, 1, TS + 0.174, 0.010, 0.006)]
+    return rs, ov.timeline(rs, colls)
+
+
+def test_keeping_parameters_unsharded_is_advised_only_within_the_device_memory() -> None:
+    rs, tl = _fsdp_backward_gathers()
+
+    def advise(total: float | None, fsdp: dict | None = None) -> dict[str, dict]:
+        out = ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=0.030, step_s=rs.step_s, mem_peak_bytes=60e9,
+                                device_total_bytes=total, fsdp=fsdp)
+        return {a["setting"]: a for a in out}
+
+    # 80 GB device: 60 GB + 4 × 70 MB fits in 90 % of it — advised for every block, the fit shown
+    a = advise(80e9)["reshard_after_forward"]
+    assert not a.get("withheld") and "for at most" not in a["suggestion"]
+    assert a["expected_gain_s"] == pytest.approx(0.024) and "≤ 90% of the device's 80 GB" in a["why"]
+    # 60.2 GB usable: two of the four units fit, half the gain; never the whole model
+    a = advise(60.2e9 / 0.9)["reshard_after_forward"]
+    assert "for at most 2 of the 4 blocks" in a["suggestion"] and a["expected_gain_s"] == pytest.approx(0.012)
+    # the unit sizes recorded by the agent bound it: 150 MB units (131 MB more each) → one fits
+    a = advise(60.2e9 / 0.9, {"units": 4, "largest_unit_bytes": 150e6, "smallest_unit_bytes": 150e6})
+    assert "for at most 1 of the 4 blocks" in a["reshard_after_forward"]["suggestion"]
+    # a full device: withheld with its cost; backward prefetch instead
+    full = advise(60.05e9 / 0.9)
+    assert full["reshard_after_forward"]["withheld"] and "no room for even one unit" in full["reshard_after_forward"]["why"]
+    assert full["set_modules_to_backward_prefetch"]["expected_gain_s"] == pytest.approx(0.024)
+    # the peak not measured: not advised either
+    out = ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=0.030, step_s=rs.step_s, device_total_bytes=80e9)
+    (held,) = [x for x in out if x.get("withheld")]
+    assert held["setting"] == "reshard_after_forward" and "peak memory was not measured" in held["withheld"]

@@ -11,7 +11,7 @@ from typing import Any
 
 from fleetscope.server.settings import Settings
 
-from .synthetic import RunSpec, collective_rows, memory_event, parallel_facts, rank_step_rows
+from .synthetic import PeakMemory, RunSpec, collective_rows, rank_step_rows
 
 __all__ = ["run_demo", "fleet_history", "load_history"]
 
@@ -61,37 +61,6 @@ def commit_of(spec: RunSpec, nightly: int) -> str | None:
         return None
     d = int(spec.name.rsplit("-", 1)[1])
     return f"c0de{d:04d}"
-
-
-class PeakMemory:
-    """Each rank's largest peak allocated and reserved memory over the steps seen (``add``), and the run
-    events a realistic run's agent sends at its end (``events``): its ``ddp`` / ``fsdp`` facts (rank 0) and
-    every rank's ``memory`` event (``synthetic.memory_event``, with the device's memory)."""
-
-    def __init__(self) -> None:
-        from .wire import RANK_STEP_FIELDS
-
-        names = [f.name for f in RANK_STEP_FIELDS]
-        self._ix = (names.index("mem_peak_bytes"), names.index("mem_reserved_bytes"))
-        self.peaks: dict[int, tuple[float, float]] = {}
-
-    def add(self, rows: list[tuple]) -> None:
-        ia, ir = self._ix
-        for row in rows:
-            pa, pr = self.peaks.get(int(row[0]), (0.0, 0.0))
-            self.peaks[int(row[0])] = (max(pa, float(row[ia] or 0)), max(pr, float(row[ir] or 0)))
-
-    def events(self, spec: RunSpec, ts: float, seq0: int = 0) -> list[dict[str, Any]]:
-        if not spec.realistic:
-            return []
-        out: list[dict[str, Any]] = []
-        facts = parallel_facts(spec)
-        if facts is not None:
-            out.append({"rank": 0, "seq": seq0, "kind": facts[0], "ts": spec.start_ts, "step": None, "data": facts[1]})
-        for r, (pa, pr) in sorted(self.peaks.items()):
-            out.append({"rank": r, "seq": seq0 + 1, "kind": "memory", "ts": ts, "step": spec.steps - 1,
-                        "data": memory_event(spec, pa, pr)})
-        return out
 
 
 def load_history(client: Any, specs: list[RunSpec], *, batch_rank_steps: int = 20_000) -> int:

@@ -344,8 +344,7 @@ def run_simulation(
     from fleetscope.agent.config import AgentConfig
     from fleetscope.agent.transport import Transport
 
-    from .demo import PeakMemory
-    from .synthetic import RunSpec, collective_rows, modality_rows, rank_step_rows
+    from .synthetic import PeakMemory, RunSpec, collective_rows, modality_rows, rank_step_rows
 
     if throttle:  # a throttled GPU makes its rank slower
         straggler = {**{r: _THROTTLE[x][0] for r, x in throttle.items()}, **(straggler or {})}
@@ -559,5 +558,14 @@ def simulate(
     typer.echo(f"sent run {run!r}: {ranks} ranks x {steps} steps ({stats.get('sent', 0)} records sent"
                + (f", {stats.get('replayed', 0)} after spooling" if stats.get("replayed") else "")
                + (f", {left} spooled for later upload" if left else "") + ")")
+    if realistic:  # a layout whose states cannot fit is a run no one could train: say so, send it anyway
+        from .synthetic import DEVICE_MEMORY, RunSpec, memory_model
+
+        peak = memory_model(RunSpec(name=run, family=family, world_size=ranks, steps=steps, gpu=gpu,
+                                    realistic=True))["peak"]
+        dev = DEVICE_MEMORY.get(gpu)
+        if dev is not None and peak > dev:
+            typer.echo(f"warning: {family} on {ranks} ranks needs ~{peak / 1e9:.0f} GB per rank, more than a {gpu}'s "
+                       f"{dev / 1e9:.0f} GB: use more ranks", err=True)
     if left:
         raise typer.Exit(1)

@@ -20,7 +20,7 @@ from .wire import RANK_STEP_FIELDS
 
 __all__ = ["Family", "FAMILIES", "RunSpec", "rank_step_rows", "collective_rows", "PEAK_FLOPS", "SHIFT_COMPONENTS",
            "merge_config", "modality_shares", "token_factor", "modality_rows", "Layout", "LAYOUTS", "DEVICE_MEMORY",
-           "layout_of", "memory_model", "parallel_facts", "memory_event", "bucket_cap_bytes", "largest_grad_bytes",
+           "layout_of", "memory_model", "parallel_facts", "memory_event", "PeakMemory", "bucket_cap_bytes", "largest_grad_bytes",
            "ddp_buckets"]
 
 #: dense bf16 peak FLOP/s per device (docs/metrics.md; vendor datasheets)
@@ -157,6 +157,35 @@ def memory_event(spec: RunSpec, peak_allocated: float, peak_reserved: float) -> 
     return {"source": "cuda", "samples": spec.steps, "peak_allocated_bytes": pa, "peak_exact": True,
             "peak_reserved_bytes": pr, "fragmentation_bytes": max(0, pr - pa), "alloc_retries": 0, "ooms": 0,
             "device_total_bytes": int(DEVICE_MEMORY.get(spec.gpu, 80e9))}
+
+
+class PeakMemory:
+    """Each rank's largest peak allocated and reserved memory over the steps seen (``add``), and the run
+    events a realistic run's agent sends at its end (``events``): its ``ddp`` / ``fsdp`` facts (rank 0) and
+    every rank's ``memory`` event (``synthetic.memory_event``, with the device's memory)."""
+
+    def __init__(self) -> None:
+        names = [f.name for f in RANK_STEP_FIELDS]
+        self._ix = (names.index("mem_peak_bytes"), names.index("mem_reserved_bytes"))
+        self.peaks: dict[int, tuple[float, float]] = {}
+
+    def add(self, rows: list[tuple]) -> None:
+        ia, ir = self._ix
+        for row in rows:
+            pa, pr = self.peaks.get(int(row[0]), (0.0, 0.0))
+            self.peaks[int(row[0])] = (max(pa, float(row[ia] or 0)), max(pr, float(row[ir] or 0)))
+
+    def events(self, spec: RunSpec, ts: float, seq0: int = 0) -> list[dict[str, Any]]:
+        if not spec.realistic:
+            return []
+        out: list[dict[str, Any]] = []
+        facts = parallel_facts(spec)
+        if facts is not None:
+            out.append({"rank": 0, "seq": seq0, "kind": facts[0], "ts": spec.start_ts, "step": None, "data": facts[1]})
+        for r, (pa, pr) in sorted(self.peaks.items()):
+            out.append({"rank": r, "seq": seq0 + 1, "kind": "memory", "ts": ts, "step": spec.steps - 1,
+                        "data": memory_event(spec, pa, pr)})
+        return out
 
 
 def _busbw(spec: RunSpec, group: int, *, inter: bool) -> float:

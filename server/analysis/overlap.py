@@ -492,9 +492,10 @@ def _reshard_items(ag_bytes: float, ag_calls: float, n_ag: int, exposed: float, 
     parameters unsharded from forward to backward (``reshard_after_forward=False``) removes them but
     holds each unit's gathered bytes less its local shard for the whole step. It is advised only when
     that fits: measured peak + extra ≤ ``MEMORY_FILL`` × the device's memory — for every unit whose
-    all-gather is exposed, else for as many units as fit (the gain pro rata); when not even one unit fits,
-    or the peak or the device's memory is unknown, it is withheld with its memory cost and backward
-    prefetch (``set_modules_to_backward_prefetch``: one more unit gathered at a time) is advised instead."""
+    all-gather is exposed, else for as many units as fit (the gain pro rata, at least ``min_gain_share``);
+    otherwise, or when the peak or the device's memory is unknown, it is withheld with its memory cost and
+    backward prefetch (``set_modules_to_backward_prefetch``: one more unit gathered at a time, its cost
+    said) is advised instead — itself withheld when not even that one unit fits."""
     keep = (n_ag - 1) / max(n_ag, 1)  # gathered less the local shard
     extra_all = ag_bytes * keep
     calls = max(ag_calls, 1.0)
@@ -540,8 +541,18 @@ def _reshard_items(ag_bytes: float, ag_calls: float, n_ag: int, exposed: float, 
         known = (f"the peak is {_gb(peak)} per rank" if peak is not None else "the peak memory was not measured")
         why = (f"{cost}; {known} and the device's memory is not reported to fleetscope (nor is there one on CPU), so "
                "it is not advised blindly: check that the peak plus that fits before setting it")
-    if exposed >= LIMITS["min_gain_share"] * step:  # else not worth advice: nothing to explain
+    worth = exposed >= LIMITS["min_gain_share"] * step  # else not worth advice: nothing to explain
+    if worth:
         held.append(_withheld("reshard_after_forward", why))
+    if peak is not None and total is not None and peak + unit > MEMORY_FILL * total:
+        # prefetching holds one more unit gathered: no room for that either
+        if worth:
+            held.append(_withheld("set_modules_to_backward_prefetch", (
+                f"prefetching backward's all-gathers further ahead holds one more unit gathered (~{_gb(unit)} per "
+                f"rank), and peak {_gb(peak)} + {_gb(unit)} > {MEMORY_FILL:.0%} of the device's {_gb(total)}: free "
+                "memory first (activation checkpointing, a smaller micro-batch) or shorten the all-gathers "
+                "(a faster interconnect, a smaller shard group)")))
+        return items, held
     items.append(_item(
         "set_modules_to_backward_prefetch",
         "issue the backward all-gathers earlier: block.set_modules_to_backward_prefetch([the next blocks in backward]) "

@@ -59,6 +59,14 @@ def land_devices(cur: Any, run_id: int, events: Sequence[dict[str, Any]]) -> tup
     for e in events:
         r = _row(e)
         rows.setdefault((r[0], r[1]), r)
+    # windows already stored (a batch re-sent after a lost answer) are neither stored nor counted again;
+    # found first, not from the INSERT's row count (on Citus an INSERT … SELECT reports the rows it tried)
+    ranks, times = zip(*rows, strict=True)
+    present = {(int(r), int(t)) for r, t in cur.execute(
+        "SELECT rank, t_ms FROM run_devices WHERE run_id = %s AND (rank, t_ms) IN "
+        "(SELECT * FROM unnest(%s::int[], %s::bigint[]))", (run_id, list(ranks), list(times))).fetchall()}
+    for k in present:
+        rows.pop(k, None)
     row = cur.execute("SELECT stored FROM run_event_counts WHERE run_id = %s AND kind = %s",
                       (run_id, DEVICE_KIND)).fetchone()
     room = max(MAX_DEVICE_WINDOWS_PER_RUN - (int(row[0]) if row else 0), 0)
@@ -74,7 +82,7 @@ def land_devices(cur: Any, run_id: int, events: Sequence[dict[str, Any]]) -> tup
             f"INSERT INTO run_devices (run_id, {', '.join(COLUMNS)}) SELECT %s, {select} "
             f"FROM unnest({unnest}) AS u({', '.join(COLUMNS)}) ON CONFLICT DO NOTHING",
             (run_id, *[list(c) for c in cols]))
-        stored = cur.rowcount if cur.rowcount is not None and cur.rowcount >= 0 else len(keep)
+        stored = len(keep)  # the run's event lock is held: no other batch of this run lands meanwhile
     if stored or dropped:
         cur.execute(
             "INSERT INTO run_event_counts (run_id, kind, stored, dropped) VALUES (%s, %s, %s, %s) "

@@ -318,10 +318,19 @@ def test_keeping_parameters_unsharded_is_advised_only_within_the_device_memory()
     # the unit sizes recorded by the agent bound it: 150 MB units (131 MB more each) → one fits
     a = advise(60.2e9 / 0.9, {"units": 4, "largest_unit_bytes": 150e6, "smallest_unit_bytes": 150e6})
     assert "for at most 1 of the 4 blocks" in a["reshard_after_forward"]["suggestion"]
-    # a full device: withheld with its cost; backward prefetch instead
+    # room for one unit only (1/4 of the gain, still ≥ 1 % of the step: advised for that one)
+    assert "for at most 1 of the 4 blocks" in advise(60.1e9 / 0.9)["reshard_after_forward"]["suggestion"]
+    # a full device: withheld with its cost — and backward prefetch too (it holds one more unit gathered)
     full = advise(60.05e9 / 0.9)
     assert full["reshard_after_forward"]["withheld"] and "no room for even one unit" in full["reshard_after_forward"]["why"]
-    assert full["set_modules_to_backward_prefetch"]["expected_gain_s"] == pytest.approx(0.024)
+    assert full["set_modules_to_backward_prefetch"]["withheld"] and "one more unit gathered" in (
+        full["set_modules_to_backward_prefetch"]["why"])
+    assert all(a["suggestion"] is None for a in full.values() if "reshard" in a["setting"] or "backward" in a["setting"])
+    # device memory unknown: backward prefetch advised (its cost said), resharding withheld
+    blind = advise(None)
+    assert blind["reshard_after_forward"]["withheld"] and "not advised blindly" in blind["reshard_after_forward"]["why"]
+    assert blind["set_modules_to_backward_prefetch"]["expected_gain_s"] == pytest.approx(0.024)
+    assert "~70 MB per rank" in blind["set_modules_to_backward_prefetch"]["why"]  # 80 MB × 7/8
     # the peak not measured: not advised either
     out = ov.overlap_advice([tl], bottlenecks=TOP, comm_exposed_s=0.030, step_s=rs.step_s, device_total_bytes=80e9)
     (held,) = [x for x in out if x.get("withheld")]

@@ -43,6 +43,34 @@ __all__ = ["ModuleMemoryMeter", "MAX_MODULES", "clean_name"]
 
 log = logging.getLogger(__name__)
 
+#: meters waiting for the next optimizer step to read its state (ModuleMemoryMeter.stop). One global
+#: optimizer post-hook per process dispatches to them and is never removed: removing a hook from inside
+#: torch's hook loop (a lazy iteration over its OrderedDicts) raises "OrderedDict mutated during
+#: iteration" in the training step whenever another hook follows it.
+_PENDING: list[Any] = []
+_DISPATCH: list[Any] = []  # the hook's handle, once registered
+_DISPATCH_LOCK = threading.Lock()
+
+
+def _dispatch_optimizer_step(opt: Any, args: Any, kwargs: Any) -> None:
+    if not _PENDING:
+        return
+    with _DISPATCH_LOCK:
+        waiting = list(_PENDING)
+        _PENDING.clear()
+    for meter in waiting:
+        meter._optimizer_post(opt, args, kwargs)  # guarded inside: never raises
+
+
+def _await_optimizer_step(meter: Any) -> None:
+    """Have ``meter._optimizer_post`` called at the next optimizer step (once)."""
+    with _DISPATCH_LOCK:
+        if not _DISPATCH:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            _DISPATCH.append(register_optimizer_step_post_hook(_dispatch_optimizer_step))
+        _PENDING.append(meter)
+
 MAX_MODULES = 256
 """Module entries one ``memory_modules`` event lists at most (the root included)."""
 
@@ -122,7 +150,6 @@ class ModuleMemoryMeter:
         self._torch: Any = None
         self._tid = 0
         self._hooks: list[Any] = []
-        self._opt_hook: Any = None
         self._stack: list[int] = []  # ids of the modules being run (training thread)
         self._mods: dict[int, Any] = {}  # id -> module, every module seen running
         self._order: list[int] = []
@@ -180,9 +207,7 @@ class ModuleMemoryMeter:
             return
         try:
             self._collect()
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
-            self._opt_hook = register_optimizer_step_post_hook(self._optimizer_post)
+            _await_optimizer_step(self)
         except Exception as e:  # noqa: BLE001
             self._fail("stop", e)
             self.done = True
@@ -457,9 +482,6 @@ class ModuleMemoryMeter:
     def _optimizer_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         t0 = time.perf_counter_ns()
         try:
-            h, self._opt_hook = self._opt_hook, None
-            if h is not None:
-                h.remove()
             if self.done:
                 return
             self.done = True

@@ -105,16 +105,10 @@ def fmt_bytes(v: float | None) -> str:
 
 def fmt_bw(v: float | None) -> str:
     """A bandwidth (bytes/s) in the unit that keeps three significant digits (B/s … TB/s, SI as NCCL-tests):
-    a real small value is never "0.0 GB/s"."""
-    if not _finite(v):
-        return "–"
-    a = abs(v)  # type: ignore[arg-type]
-    if a == 0:
-        return "0 B/s"
-    for div, suf in ((1e12, "TB/s"), (1e9, "GB/s"), (1e6, "MB/s"), (1e3, "kB/s")):
-        if a >= div:
-            return f"{v / div:.3g} {suf}"
-    return f"{v:.3g} B/s"
+    a real small value is never "0.0 GB/s" (the format alerts and Slack use too)."""
+    from fleetscope.server.reports import format_bandwidth
+
+    return format_bandwidth(v) if _finite(v) else "–"  # type: ignore[arg-type]
 
 
 def fmt_rate(v: float | None, unit: str) -> str:

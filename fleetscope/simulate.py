@@ -81,21 +81,7 @@ def parse_shift(value: str | None) -> dict[str, float]:
 def parse_token_skew(value: str | None) -> dict[int, float]:
     """``"RANK=FACTOR"``, several comma-separated (e.g. ``37=1.4``) → {rank: factor}: that rank gets FACTOR×
     the tokens (of ``--skew-modality`` only, when given) and does the work they need."""
-    import math
-
-    out: dict[int, float] = {}
-    for part in (value or "").split(","):
-        if not part.strip():
-            continue
-        rank_s, sep, factor_s = part.strip().partition("=")
-        try:
-            rank, factor = int(rank_s), float(factor_s)
-        except ValueError:
-            rank, factor = -1, float("nan")
-        if not sep or rank < 0 or not math.isfinite(factor) or factor <= 0:
-            raise typer.BadParameter(f"--token-skew expects RANK=FACTOR with RANK >= 0 and FACTOR > 0, got {part.strip()!r}")
-        out[rank] = factor
-    return out
+    return parse_rank_factors(value, "--token-skew")
 
 
 def parse_rank_factors(value: str | None, opt: str) -> dict[int, float]:

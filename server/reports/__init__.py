@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..analysis.explain import format_bandwidth  # one bandwidth format for pages, alerts and Slack
 from ._cache import clear as clear_caches
 from ._cache import forget_run
 from .fleet import compare_runs, compare_view, families, fleet_rows, run_options, scaling, scaling_view
@@ -103,6 +104,7 @@ from . import scope  # noqa: E402
 from .devices import device_findings, node_device_trouble, rank_device_nodes, run_devices  # noqa: E402  (device telemetry)
 
 __all__ += ["run_devices", "node_device_trouble", "device_findings", "rank_device_nodes"]
+__all__ += ["format_bandwidth"]
 
 _NONE_WHEN_MISSING = {"get_run", "run_summary", "run_page_summary", "check_run", "node_detail"}
 

@@ -1,6 +1,6 @@
 """Device telemetry in a real job: a 2-rank `fleetscope run -- torchrun` CPU job (gloo, DDP) whose ranks read
 the fake NVML provider (FLEETSCOPE_FAKE_NVML: device 1 sits at its power cap with SM clocks at 1.41 GHz,
-device 0 runs at 1.98 GHz) and whose rank 1 is really slower (a sleep in its step) — against a real server
+device 0 runs at 1.98 GHz) and whose rank 1 is really slower (a sleep in its forward, so its excess is compute: a data-late rank is sent to its input pipeline, not its GPU) — against a real server
 on loopback: ``/devices`` names rank 1 throttled by ``power``, and the summary's straggler (rank 1) carries
 the reason in its ``cause``."""
 
@@ -29,11 +29,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-model = DDP(torch.nn.Linear(8, 1))
+
+
+class Capped(torch.nn.Linear):
+    def forward(self, x):
+        if rank == 1:
+            time.sleep(0.06)  # the power-capped GPU's rank: really slower, in its compute
+        return super().forward(x)
+
+
+model = DDP(Capped(8, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 for _ in range({STEPS}):
-    if rank == 1:
-        time.sleep(0.06)  # the power-capped GPU's rank: really slower
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
     opt.zero_grad()

@@ -29,7 +29,10 @@ class FleetCollective:
 
 
 @dataclass(frozen=True)
-class ProjectionWrite:
+class _Projection:
+    """A projection of a run to a target layout, as recorded (the fields ProjectionWrite and ProjectionRow
+    share, in column order)."""
+
     run_id: int
     world_size: int
     tp: int
@@ -48,29 +51,15 @@ class ProjectionWrite:
     mfu: float | None
     tokens_per_s: float | None
     error_rel: float | None
+
+
+@dataclass(frozen=True)
+class ProjectionWrite(_Projection):
     at: dt.datetime
 
 
 @dataclass(frozen=True)
-class ProjectionRow:
-    run_id: int
-    world_size: int
-    tp: int
-    pp: int
-    micro_batches: int
-    bucket_bytes: int
-    hold_global_batch: bool
-    owner_key: str
-    model_family: str | None
-    signature: str
-    device_type: str | None
-    from_world_size: int
-    from_tp: int
-    from_pp: int
-    step_s: float
-    mfu: float | None
-    tokens_per_s: float | None
-    error_rel: float | None
+class ProjectionRow(_Projection):
     latest_step_s: float
     requests: int
     first_at: dt.datetime

@@ -322,7 +322,8 @@ _INSERT_NOW = _INSERT.replace("to_timestamp(:started)", "now()")
 
 #: another rank of the same job (the same owner: the same token, a token of the same team, or — in
 #: the ownerless namespace '' — a server without auth) joins the run: missing fields are filled in,
-#: the world size may grow, meta merges, the run is running again
+#: the world size may grow, meta merges; an ended run is running again only for a process that
+#: started after it ended (the same name run again)
 _JOIN = """
 UPDATE runs SET
     model_family = coalesce(runs.model_family, :family),
@@ -335,12 +336,19 @@ UPDATE runs SET
     git_commit = coalesce(runs.git_commit, :git),
     meta = CAST(:meta AS jsonb) || runs.meta,
     job_id = coalesce(runs.job_id, :job_id),
-    status = 'running',
-    finished_at = NULL,
+    status = CASE WHEN __ENDED__ THEN runs.status ELSE 'running' END,
+    finished_at = CASE WHEN __ENDED__ THEN runs.finished_at END,
     last_seen_at = now()
 WHERE owner_key = :owner_key AND name = :name AND attempt = :attempt
 RETURNING id, name, world_size
 """
+#: the run has ended, and this registration is no process started after it ended (no start time, or
+#: one at or before the end: a late rank of that run, ``import-trace`` finding its run): it joins the
+#: run as it is, ended. Reopening it made the health pass page a finished run "stalled".
+#: (to_timestamp(float8) is IMMUTABLE: Citus takes it in a CASE of an UPDATE)
+_ENDED = ("(runs.finished_at IS NOT NULL AND (CAST(:started AS float8) IS NULL "
+          "OR to_timestamp(CAST(:started AS float8)) <= runs.finished_at))")
+_JOIN = _JOIN.replace("__ENDED__", _ENDED)
 #: the same, for the run of this job and attempt whatever its name (one job, one run)
 _JOIN_ID = _JOIN.replace("WHERE owner_key = :owner_key AND name = :name AND attempt = :attempt", "WHERE id = :id")
 

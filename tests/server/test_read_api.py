@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -64,6 +65,27 @@ def test_run_registration_is_idempotent_by_name(live_server: Any) -> None:
         assert len(ids) == 1
         c.finish_run(ids.pop())
     assert httpx.get(f"{live_server.url}/api/v1/runs", params={"name": "same"}).json()["runs"][0]["status"] == "finished"
+
+
+def test_a_registration_reopens_an_ended_run_only_for_a_process_started_after_its_end(live_server: Any) -> None:
+    """A late rank of a run, or ``import-trace`` registering the run it attaches to, joins the ended run
+    as it is (reopened, the health pass would page it "stalled"); the same name run again — a process
+    started after the end — is running again."""
+    def state() -> tuple[str, str | None]:
+        r = httpx.get(f"{live_server.url}/api/v1/runs", params={"name": "ended"}).json()["runs"][0]
+        return r["status"], r["finished_at"]
+
+    with live_server.client() as c:
+        rid = c.register_run({"name": "ended", "world_size": 2, "started_at": time.time() - 60})
+        c.finish_run(rid, finished_at=time.time() - 30)
+        ended = state()
+        assert ended[0] == "finished" and ended[1] is not None
+        assert c.register_run({"name": "ended", "world_size": 2}) == rid  # no start time
+        assert state() == ended
+        assert c.register_run({"name": "ended", "world_size": 2, "started_at": time.time() - 45}) == rid  # a late rank
+        assert state() == ended
+        assert c.register_run({"name": "ended", "world_size": 2, "started_at": time.time()}) == rid  # run again
+        assert state() == ("running", None)
 
 
 def test_openapi_healthz_and_metrics(live_server: Any) -> None:

@@ -354,3 +354,56 @@ def tmp_data_dir() -> Iterator[Path]:
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------- the browser
+# The browser tests' one headless chromium (tests/dashboard/browser_util.py): started on first use and
+# kept for the session (a start costs 1-2.5 s, and a session had ~15 of them), quit at its end, failing
+# or not. Each test gets it on a blank page, in its first window, with the console log drained, so
+# what a test reads of the console is its own; a browser that no longer answers is replaced.
+
+
+@pytest.fixture(scope="session")
+def _session_browser() -> Iterator[dict[str, Any]]:
+    holder: dict[str, Any] = {"driver": None}
+    try:
+        yield holder
+    finally:
+        if holder["driver"] is not None:
+            holder["driver"].quit()
+
+
+def _reset_browser(d: Any) -> None:
+    handles = d.window_handles
+    for h in handles[1:]:
+        d.switch_to.window(h)
+        d.close()
+    d.switch_to.window(handles[0])
+    d.get("about:blank")
+    d.get_log("browser")  # drained: the next test reads only its own entries
+
+
+@pytest.fixture
+def browser(_session_browser: dict[str, Any]) -> Iterator[Any]:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "dashboard"))
+    from browser_util import start_browser
+
+    d = _session_browser["driver"]
+    if d is not None:
+        try:
+            _reset_browser(d)
+        except Exception:  # noqa: BLE001 - crashed or hung: a new one
+            try:
+                d.quit()
+            except Exception:  # noqa: BLE001
+                pass
+            d = _session_browser["driver"] = None
+    if d is None:
+        try:
+            d = start_browser()
+        except RuntimeError as e:
+            pytest.fail(str(e), pytrace=False)
+        _session_browser["driver"] = d
+    yield d

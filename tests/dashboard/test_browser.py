@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from browser_util import open_browser, severe_logs, wait_for, wait_for_charts
+from browser_util import severe_logs, wait_for, wait_for_charts
 from conftest import _db_uri, start_server
 from dash_util import add_alert, add_benchmarks, load
 from selenium.webdriver.common.by import By
@@ -22,11 +22,6 @@ from fleetscope.synthetic import RunSpec
 
 RUN_CHARTS = ["run-decomposition", "run-heatmap", "run-stragglers", "run-throughput", "run-memory",
               "run-collectives", "run-comm-dims-chart", "run-modality"]
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    yield from open_browser()
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,9 @@ browser session (chromium and chromedriver are required, as in test_browser.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
-from browser_util import open_browser, severe_logs, wait_for
+from browser_util import severe_logs, wait_for
 from dash_util import load
 from selenium.webdriver.common.by import By
 
@@ -26,11 +24,6 @@ rows.forEach(function (tr) {
 });
 return out;
 """
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    yield from open_browser()
 
 
 def test_compare_colours_within_a_family_normalises_and_cpu_mfu_tile(browser: Any, live_server: Any) -> None:

@@ -11,23 +11,15 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-from browser_util import open_browser, severe_logs, wait_for
+from browser_util import severe_logs, wait_for
 from conftest import start_server
 from dash_util import load
 from selenium.webdriver.common.by import By
 
 from fleetscope.synthetic import RunSpec
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    yield from open_browser()
-
 
 _TABLE_ROWS = """
 return Array.from(arguments[0].querySelectorAll('tr')).map(function (tr) {

@@ -26,7 +26,7 @@ import numpy as np
 import plotly.graph_objects as go
 import psycopg
 import pytest
-from browser_util import open_browser, severe_logs, wait_for, wait_for_charts
+from browser_util import severe_logs, wait_for, wait_for_charts
 from conftest import _db_uri, start_server
 from dash_util import add_alert
 from fleetscope.dashboard import figures as F
@@ -170,11 +170,6 @@ def _hostile_run(srv: Any, name: str, world: int, *, node_of: Any) -> int:
                   "collectives": columnar(colls, COLLECTIVE_FIELDS), "modality_tokens": mods, "phases": phases,
                   "ranks": hosts, "events": events})
     return rid
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    yield from open_browser()
 
 
 @pytest.fixture(scope="module")

@@ -12,16 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_util import open_browser, severe_logs, wait_for
+from browser_util import severe_logs, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from health_util import FAST, event, frame, nodes, state_is, steps_batch, stuck, waiting  # noqa: E402
 from health_util import wait_for as poll  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    yield from open_browser()
 
 
 @pytest.fixture

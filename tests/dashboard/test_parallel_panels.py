@@ -261,24 +261,18 @@ def test_parallel_figures_are_valid_and_explain_empty_data() -> None:
         assert empty["data"] == [] and empty["layout"]["annotations"][0]["text"]
 
 
-def test_run_page_draws_the_new_panels_in_a_browser(live_server: Any) -> None:
-    from browser_util import severe_logs, start_browser, wait_for, wait_for_charts
+def test_run_page_draws_the_new_panels_in_a_browser(live_server: Any, browser: Any) -> None:
+    from browser_util import severe_logs, wait_for, wait_for_charts
 
     rid = _pipeline_run(live_server)
-    try:
-        d = start_browser()
-    except RuntimeError as e:
-        pytest.fail(str(e), pytrace=False)
-    try:
-        d.get(f"{live_server.url}/runs/{rid}")
-        counts = wait_for_charts(d, ["run-comm-dims-chart", "run-pipeline-chart"])
-        assert counts == [3, 2]
-        text = wait_for(d, "document.getElementById('run-comm-dims-section').innerText + '\\n' + "
-                           "document.getElementById('run-pipeline-section').innerText + '\\n' + "
-                           "document.getElementById('run-phases').innerText", what="the panels' text")
-        for s in ("Communication by dimension", "Pipeline", "Interleaved1F1B", "vision_encoder", "2 MB"):
-            assert s in text, (s, text)
-        errs = severe_logs(d)
-        assert not errs, "browser console errors:\n" + "\n".join(errs)
-    finally:
-        d.quit()
+    d = browser
+    d.get(f"{live_server.url}/runs/{rid}")
+    counts = wait_for_charts(d, ["run-comm-dims-chart", "run-pipeline-chart"])
+    assert counts == [3, 2]
+    text = wait_for(d, "document.getElementById('run-comm-dims-section').innerText + '\\n' + "
+                       "document.getElementById('run-pipeline-section').innerText + '\\n' + "
+                       "document.getElementById('run-phases').innerText", what="the panels' text")
+    for s in ("Communication by dimension", "Pipeline", "Interleaved1F1B", "vision_encoder", "2 MB"):
+        assert s in text, (s, text)
+    errs = severe_logs(d)
+    assert not errs, "browser console errors:\n" + "\n".join(errs)

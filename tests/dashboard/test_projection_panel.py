@@ -4,21 +4,14 @@ URL alone brings the same answer back (dashboard/projection_panel.py). One short
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
-from browser_util import open_browser, severe_logs, wait_for
+from browser_util import severe_logs, wait_for
 from dash_util import load
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 
 from fleetscope.synthetic import RunSpec
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    yield from open_browser()
 
 
 def test_what_if_panel_keeps_its_inputs_in_the_url(browser: Any, live_server: Any) -> None:

@@ -7,11 +7,9 @@ test_browser.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
-from browser_util import open_browser, severe_logs, wait_for, wait_for_charts
+from browser_util import severe_logs, wait_for, wait_for_charts
 from dash_util import load
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
@@ -25,11 +23,6 @@ var gd = document.getElementById('run-rank-chart').querySelector('.js-plotly-plo
 var y = Array.from(gd._fullData[arguments[0]].y).filter(function (v) { return v === v && v !== null; });
 return y.reduce(function (a, b) { return a + b; }, 0) / y.length;
 """
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    yield from open_browser()
 
 
 def test_run_page_heatmap_component_and_rank_drilldown(browser: Any, live_server: Any) -> None:

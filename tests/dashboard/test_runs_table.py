@@ -7,22 +7,16 @@ Chromium and chromedriver are required: without them these tests fail with a mes
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from browser_util import open_browser, severe_logs, wait_for
+from browser_util import severe_logs, wait_for
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 
 from fleetscope.wire import RANK_STEP_FIELDS
 
 _NAMES = [f.name for f in RANK_STEP_FIELDS]
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    yield from open_browser()
 
 
 def _steps(n: int, step_s: float) -> list[tuple]:

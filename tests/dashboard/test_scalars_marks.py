@@ -7,21 +7,14 @@ Chromium and chromedriver are required: without them the browser test fails with
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import plotly.graph_objects as go
-import pytest
 from analysis_util import field_index, load, with_fields
-from browser_util import open_browser, severe_logs, wait_for_charts
+from browser_util import severe_logs, wait_for_charts
 from fleetscope.dashboard import scalars_panel as sp
 
 from fleetscope.synthetic import RunSpec
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    yield from open_browser()
 
 
 def test_straggler_steps_and_checkpoints_are_marked_on_the_scalars_chart(browser: Any, live_server: Any) -> None:

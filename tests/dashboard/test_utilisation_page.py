@@ -6,21 +6,15 @@ idle GPU-hours; the window stays in the URL, and the nav links to the page. One 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_util import open_browser, severe_logs, wait_for, wait_for_charts
+from browser_util import severe_logs, wait_for, wait_for_charts
 from selenium.webdriver.common.by import By
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from test_utilisation_api import T0, make_fleet  # noqa: E402
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    yield from open_browser()
 
 
 def _num(s: str) -> float:

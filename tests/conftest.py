@@ -311,7 +311,6 @@ def _quick_stop_server_class() -> Any:
 def start_server(db_url: str, **overrides: Any) -> LiveServer:
     """Start the real app with uvicorn in a thread on a free loopback port, configured as ``fleetscope
     serve`` configures it (``server.serve.uvicorn_config``: uvicorn's own proxy-header handling off)."""
-    import uvicorn
     from fleetscope.server.auth import create_token
     from fleetscope.server.serve import uvicorn_config
     from fleetscope.server.settings import Settings

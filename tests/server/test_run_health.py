@@ -324,7 +324,8 @@ def test_simulate_hang_crash_and_restart_scenarios_produce_what_a_real_job_would
 
     common = {"server": srv.url, "token": srv.token, "family": "vla-7b", "ranks": 16, "steps": 8, "step_ms": 200.0,
               "flush_timeout_s": 60.0}
-    t = threading.Thread(target=run_simulation, kwargs={**common, "run": "sim-hang", "hang": (11, 5), "hold_s": 25.0},
+    # held 10 s: the hang is concluded ~2-3 s after the run appears (health pass every 0.2 s, FAST)
+    t = threading.Thread(target=run_simulation, kwargs={**common, "run": "sim-hang", "hang": (11, 5), "hold_s": 10.0},
                          daemon=True)
     t.start()
     rid = wait_for(lambda: (r := httpx.get(f"{srv.url}/api/v1/runs", params={"name": "sim-hang"}).json()["runs"])
@@ -332,8 +333,8 @@ def test_simulate_hang_crash_and_restart_scenarios_produce_what_a_real_job_would
     h = wait_for(state_is(srv, rid, "hung"), timeout=40)
     assert h["missing_ranks"] == [11] and h["missing_nodes"] == ["node0001"] and h["waiting"]["ranks"] == 15
     assert h["stacks"]["11"][-1]["func"] == "read_shard"
-    t.join(60)
 
+    # the other scenarios run while the hang holds (runs of their own); the hang is joined at the end
     run_simulation(**common, run="sim-crash", crash=(6, 4))
     rid = httpx.get(f"{srv.url}/api/v1/runs", params={"name": "sim-crash"}).json()["runs"][0]["id"]
     h = wait_for(state_is(srv, rid, "failed"))
@@ -348,6 +349,8 @@ def test_simulate_hang_crash_and_restart_scenarios_produce_what_a_real_job_would
     att = health(srv, a1)["attempts"]
     assert [a["attempt"] for a in att] == [0, 1] and att[0]["status"] == "failed"
     assert [a["redone_steps"] for a in att] == [0, 2]  # checkpoint at 4, crashed at 6: steps 4 and 5 redone
+    t.join(60)
+    assert not t.is_alive(), "the hang simulation did not finish after its hold"
 
 
 def test_wavefront_victims_in_other_collectives_are_not_blamed_and_ranks_are_listed_as_ranges() -> None:

@@ -86,7 +86,7 @@ class Settings(BaseSettings):
                            "the background passes (reads have their own pool: read_pool_size)")
     read_pool_size: int = Field(default=8, ge=1, le=256, description=(
         "database connections for the read API and the dashboard, apart from ingest's, so reads never starve it"))
-    read_concurrency: int = Field(default_factory=lambda: default_read_concurrency(), ge=1, le=256, description=(
+    read_concurrency: int = Field(default_factory=default_read_concurrency, ge=1, le=256, description=(
         "API reads served at once (default: half the CPUs this process may use, at least 1); more wait up to "
         "read_timeout_s for a turn, then get a 503 (keeps a burst of expensive reads from taking every core from "
         "ingest and /healthz)"))

@@ -4,6 +4,7 @@ server on a loopback port (uvicorn in a thread) over HTTP."""
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 import socket
@@ -300,6 +301,7 @@ class LiveServer:
         self._thread.join(30)
 
 
+@functools.cache
 def _quick_stop_server_class() -> Any:
     import asyncio
 

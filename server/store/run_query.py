@@ -422,7 +422,8 @@ def query_runs(engine: Engine, q: RunQuery, *, columns: Sequence[str] = ()) -> t
     # column and row: 64 columns of 10,000 runs were 640,000 decodes on the serving process); the others
     # (figures, scalars, run columns) keep their SQL types
     jx = [i for i, (c, _v) in enumerate(extra) if c.startswith(("config.", "meta."))]
-    sel_extra = "".join(f", {v} AS x{i}" for i, (_c, v) in enumerate(extra) if i not in set(jx))
+    jset = set(jx)
+    sel_extra = "".join(f", {v} AS x{i}" for i, (_c, v) in enumerate(extra) if i not in jset)
     if jx:
         sel_extra += f", to_jsonb(ARRAY[{', '.join(extra[i][1] for i in jx)}]) AS xj"
     with _snapshot(engine) as conn:  # the counters and the fragments of one moment (runs._snapshot)
